@@ -1,0 +1,18 @@
+//! `airlock-api`: the agent-facing HTTP API.
+
+use airlock_api::{AppState, router};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    airlock_core::telemetry::install_crypto_provider();
+    airlock_core::telemetry::init();
+    let cfg = airlock_core::config::Config::load()?;
+    let pool = airlock_core::db::connect(&cfg.database).await?;
+    airlock_core::db::migrate(&pool).await?;
+    let listener = tokio::net::TcpListener::bind(cfg.api.listen).await?;
+    tracing::info!(listen = %listener.local_addr()?, "api listening");
+    let shutdown = airlock_core::http::shutdown_on_signals()?;
+    let app = router(AppState { pool, config: std::sync::Arc::new(cfg) });
+    airlock_core::http::serve(listener, app, shutdown).await?;
+    Ok(())
+}

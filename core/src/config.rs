@@ -1,0 +1,434 @@
+//! Typed, layered configuration.
+//!
+//! Layers, lowest first: built-in defaults, the TOML file named by `AIRLOCK_CONFIG`, then
+//! environment variables `AIRLOCK__SECTION__KEY` (lists comma-separated). `DATABASE_URL`
+//! is an alias of `AIRLOCK__DATABASE__URL` (the latter wins when both are set).
+//! Unknown keys and invalid values are refused at start with a message naming the key.
+//! Secrets are never configuration values: the configuration names the environment
+//! variables that hold them.
+
+use std::net::{IpAddr, SocketAddr};
+
+use serde::Deserialize;
+
+use crate::secret::Secret;
+
+/// Keys whose environment values are comma-separated lists.
+const LIST_KEYS: &[&str] = &["worker.queues", "delivery.senders", "delivery.webhook_origins"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration: {0}")]
+    Load(#[from] config::ConfigError),
+    #[error("configuration key `{key}`: {message}")]
+    Invalid { key: &'static str, message: String },
+}
+
+fn invalid(key: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key, message: message.into() }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub database: DatabaseConfig,
+    #[serde(default)]
+    pub api: ListenConfig<ApiDefault>,
+    #[serde(default)]
+    pub admin: ListenConfig<AdminDefault>,
+    #[serde(default)]
+    pub smtp: SmtpConfig,
+    #[serde(default)]
+    pub delivery: DeliveryConfig,
+    #[serde(default)]
+    pub scoring: ScoringConfig,
+    #[serde(default)]
+    pub worker: WorkerConfig,
+    #[serde(default)]
+    pub retention: RetentionConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatabaseConfig {
+    /// Postgres URL. Required; it may carry a password, so it is held as a secret.
+    #[serde(deserialize_with = "de_secret")]
+    pub url: Secret,
+    pub max_connections: u32,
+    pub acquire_timeout_seconds: u64,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        Self { url: Secret::new(""), max_connections: 16, acquire_timeout_seconds: 10 }
+    }
+}
+
+fn de_secret<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Secret, D::Error> {
+    String::deserialize(d).map(Secret::new)
+}
+
+/// Supplies the default listen address of one service.
+pub trait DefaultListen {
+    const ADDR: &'static str;
+}
+#[derive(Debug, Clone)]
+pub struct ApiDefault;
+impl DefaultListen for ApiDefault {
+    const ADDR: &'static str = "127.0.0.1:7070";
+}
+#[derive(Debug, Clone)]
+pub struct AdminDefault;
+impl DefaultListen for AdminDefault {
+    const ADDR: &'static str = "127.0.0.1:7071";
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenConfig<D: DefaultListen> {
+    pub listen: SocketAddr,
+    #[serde(skip)]
+    _d: std::marker::PhantomData<D>,
+}
+
+impl<D: DefaultListen> Default for ListenConfig<D> {
+    fn default() -> Self {
+        Self { listen: D::ADDR.parse().expect("built-in listen address parses"), _d: std::marker::PhantomData }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SmtpTls {
+    /// STARTTLS, and refuse a server that does not offer it.
+    Required,
+    /// Implicit TLS from the first byte (port 465).
+    Wrapper,
+    /// Plaintext: only to a loopback host with `allow_plaintext_loopback`.
+    None,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SmtpConfig {
+    pub host: String,
+    pub port: u16,
+    pub tls: SmtpTls,
+    pub allow_plaintext_loopback: bool,
+    /// Extra trusted CA certificate (PEM), beside the system roots.
+    pub ca_file: Option<String>,
+    /// Name of the environment variable holding the SMTP user name, if the relay wants AUTH.
+    pub username_env: Option<String>,
+    /// Name of the environment variable holding the SMTP password.
+    pub password_env: Option<String>,
+    pub timeout_seconds: u64,
+    /// The name this client gives in EHLO.
+    pub helo_name: Option<String>,
+}
+
+impl Default for SmtpConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 587,
+            tls: SmtpTls::Required,
+            allow_plaintext_loopback: false,
+            ca_file: None,
+            username_env: None,
+            password_env: None,
+            timeout_seconds: 30,
+            helo_name: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeliveryConfig {
+    /// Verified From addresses (`agent@example.com`) or whole domains (`@example.com`).
+    pub senders: Vec<String>,
+    /// Allowed webhook origins, `https://host[:port]`.
+    pub webhook_origins: Vec<String>,
+    pub webhook_allow_plaintext_loopback: bool,
+    /// Name of the environment variable holding the webhook signing secret.
+    pub webhook_secret_env: String,
+    pub webhook_timeout_seconds: u64,
+    /// Domains the scorer treats as known recipients.
+    pub known_domains: Vec<String>,
+    /// Upper bound on an artifact's serialized size.
+    pub max_artifact_bytes: usize,
+    pub max_recipients: usize,
+    /// Attempts of a send job before the delivery fails.
+    pub max_send_attempts: i32,
+}
+
+impl Default for DeliveryConfig {
+    fn default() -> Self {
+        Self {
+            senders: Vec::new(),
+            webhook_origins: Vec::new(),
+            webhook_allow_plaintext_loopback: false,
+            webhook_secret_env: "AIRLOCK_WEBHOOK_SECRET".into(),
+            webhook_timeout_seconds: 15,
+            known_domains: Vec::new(),
+            max_artifact_bytes: 256 * 1024,
+            max_recipients: 50,
+            max_send_attempts: 8,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScoringConfig {
+    pub review_threshold: f64,
+}
+
+impl Default for ScoringConfig {
+    fn default() -> Self {
+        Self { review_threshold: 0.7 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    pub concurrency: usize,
+    pub lease_seconds: u64,
+    /// Queues to claim from; empty means all.
+    pub queues: Vec<String>,
+    /// Fallback poll when no notification arrives.
+    pub poll_interval_ms: u64,
+    /// How long in-flight jobs may run on after SIGTERM before they are abandoned.
+    pub shutdown_grace_seconds: u64,
+    pub rescue_interval_seconds: u64,
+    /// Seconds between worker-row heartbeats.
+    pub heartbeat_seconds: u64,
+    /// Registers the `diag.*` job kinds used to check a fleet end to end.
+    pub diagnostic_jobs: bool,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            concurrency: 8,
+            lease_seconds: 30,
+            queues: Vec::new(),
+            poll_interval_ms: 1000,
+            shutdown_grace_seconds: 20,
+            rescue_interval_seconds: 5,
+            heartbeat_seconds: 5,
+            diagnostic_jobs: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetentionConfig {
+    /// Completed and cancelled jobs older than this are deleted; 0 keeps them forever.
+    pub completed_jobs_hours: u64,
+    pub interval_seconds: u64,
+    pub batch_size: i64,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        Self { completed_jobs_hours: 24, interval_seconds: 60, batch_size: 5000 }
+    }
+}
+
+impl Config {
+    /// Loads the configuration from `AIRLOCK_CONFIG` and the environment.
+    pub fn load() -> Result<Self, ConfigError> {
+        let file = std::env::var("AIRLOCK_CONFIG").ok().filter(|f| !f.is_empty());
+        let vars: Vec<(String, String)> = std::env::vars().collect();
+        Self::from_sources(file.as_deref(), &vars)
+    }
+
+    /// Loads from an optional TOML file and a list of environment variables (tests pass
+    /// their own list rather than mutate the process environment).
+    pub fn from_sources(file: Option<&str>, vars: &[(String, String)]) -> Result<Self, ConfigError> {
+        let mut builder = config::Config::builder();
+        if let Some(path) = file {
+            builder = builder.add_source(config::File::new(path, config::FileFormat::Toml).required(true));
+        }
+        let env: std::collections::HashMap<String, String> = vars.iter().cloned().collect();
+        if let Some(url) = env.get("DATABASE_URL").filter(|u| !u.is_empty()) {
+            builder = builder.set_override("database.url", url.clone())?;
+        }
+        let mut source = config::Environment::with_prefix("AIRLOCK")
+            .prefix_separator("__")
+            .separator("__")
+            .list_separator(",")
+            .try_parsing(true)
+            .source(Some(env.clone()));
+        for key in LIST_KEYS {
+            source = source.with_list_parse_key(key);
+        }
+        builder = builder.add_source(source);
+        if let Some(url) = env.get("AIRLOCK__DATABASE__URL").filter(|u| !u.is_empty()) {
+            builder = builder.set_override("database.url", url.clone())?;
+        }
+        let cfg: Config = builder.build()?.try_deserialize()?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.database.url.expose().is_empty() {
+            return Err(invalid("database.url", "is required (or set DATABASE_URL)"));
+        }
+        if !self.database.url.expose().starts_with("postgres://")
+            && !self.database.url.expose().starts_with("postgresql://")
+        {
+            return Err(invalid("database.url", "must be a postgres:// URL"));
+        }
+        if self.database.max_connections < 2 {
+            return Err(invalid("database.max_connections", "must be at least 2"));
+        }
+        if self.worker.concurrency == 0 || self.worker.concurrency > 1000 {
+            return Err(invalid("worker.concurrency", "must be between 1 and 1000"));
+        }
+        if self.worker.lease_seconds < 3 {
+            return Err(invalid("worker.lease_seconds", "must be at least 3"));
+        }
+        if self.worker.poll_interval_ms == 0 {
+            return Err(invalid("worker.poll_interval_ms", "must be positive"));
+        }
+        if !(0.0..=1.0).contains(&self.scoring.review_threshold) {
+            return Err(invalid("scoring.review_threshold", "must be between 0 and 1"));
+        }
+        if self.smtp.tls == SmtpTls::None {
+            if !self.smtp.allow_plaintext_loopback {
+                return Err(invalid(
+                    "smtp.tls",
+                    "`none` requires smtp.allow_plaintext_loopback = true and a loopback host",
+                ));
+            }
+            if !is_loopback_host(&self.smtp.host) {
+                return Err(invalid("smtp.tls", "`none` is only allowed to a loopback host"));
+            }
+        }
+        for s in &self.delivery.senders {
+            let ok = match s.strip_prefix('@') {
+                Some(domain) => !domain.is_empty() && !domain.contains('@'),
+                None => s.split_once('@').is_some_and(|(l, d)| !l.is_empty() && !d.is_empty()),
+            };
+            if !ok {
+                return Err(invalid("delivery.senders", format!("`{s}` is neither an address nor an @domain")));
+            }
+        }
+        if self.delivery.max_send_attempts < 1 {
+            return Err(invalid("delivery.max_send_attempts", "must be at least 1"));
+        }
+        if self.retention.batch_size < 1 {
+            return Err(invalid("retention.batch_size", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// Whether `host` names this machine: `localhost` or a loopback IP literal.
+pub fn is_loopback_host(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    h.eq_ignore_ascii_case("localhost") || h.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(v: &[(&str, &str)]) -> Vec<(String, String)> {
+        v.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn defaults_and_alias() {
+        let c = Config::from_sources(None, &vars(&[("DATABASE_URL", "postgres://x/y")])).unwrap();
+        assert_eq!(c.database.url.expose(), "postgres://x/y");
+        assert_eq!(c.api.listen.to_string(), "127.0.0.1:7070");
+        assert_eq!(c.admin.listen.to_string(), "127.0.0.1:7071");
+        assert_eq!(c.smtp.tls, SmtpTls::Required);
+        assert_eq!(c.smtp.port, 587);
+        assert_eq!(c.worker.concurrency, 8);
+        assert_eq!(c.worker.lease_seconds, 30);
+        assert_eq!(c.scoring.review_threshold, 0.7);
+        assert_eq!(c.delivery.webhook_secret_env, "AIRLOCK_WEBHOOK_SECRET");
+        assert!(c.delivery.senders.is_empty());
+    }
+
+    #[test]
+    fn env_overrides_with_lists() {
+        let c = Config::from_sources(
+            None,
+            &vars(&[
+                ("DATABASE_URL", "postgres://alias/db"),
+                ("AIRLOCK__DATABASE__URL", "postgres://real/db"),
+                ("AIRLOCK__WORKER__CONCURRENCY", "3"),
+                ("AIRLOCK__WORKER__QUEUES", "default,send"),
+                ("AIRLOCK__DELIVERY__SENDERS", "a@example.com,@example.org"),
+                ("AIRLOCK__SMTP__ALLOW_PLAINTEXT_LOOPBACK", "true"),
+                ("AIRLOCK__SMTP__TLS", "none"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.database.url.expose(), "postgres://real/db");
+        assert_eq!(c.worker.concurrency, 3);
+        assert_eq!(c.worker.queues, vec!["default", "send"]);
+        assert_eq!(c.delivery.senders, vec!["a@example.com", "@example.org"]);
+        assert_eq!(c.smtp.tls, SmtpTls::None);
+    }
+
+    #[test]
+    fn invalid_values_name_the_key() {
+        let base = ("DATABASE_URL", "postgres://x/y");
+        let err = |extra: (&str, &str)| Config::from_sources(None, &vars(&[base, extra])).unwrap_err().to_string();
+        assert!(err(("AIRLOCK__WORKER__CONCURRENCY", "0")).contains("worker.concurrency"));
+        assert!(err(("AIRLOCK__WORKER__CONCURRENCY", "many")).contains("concurrency"));
+        assert!(err(("AIRLOCK__SMTP__TLS", "none")).contains("smtp.tls"));
+        assert!(err(("AIRLOCK__SMTP__TLS", "maybe")).contains("tls"));
+        assert!(err(("AIRLOCK__SCORING__REVIEW_THRESHOLD", "2")).contains("scoring.review_threshold"));
+        assert!(err(("AIRLOCK__DELIVERY__SENDERS", "nobody")).contains("delivery.senders"));
+        let missing = Config::from_sources(None, &[]).unwrap_err().to_string();
+        assert!(missing.contains("database.url"), "{missing}");
+    }
+
+    #[test]
+    fn plaintext_refused_to_remote_host() {
+        let e = Config::from_sources(
+            None,
+            &vars(&[
+                ("DATABASE_URL", "postgres://x/y"),
+                ("AIRLOCK__SMTP__TLS", "none"),
+                ("AIRLOCK__SMTP__ALLOW_PLAINTEXT_LOOPBACK", "true"),
+                ("AIRLOCK__SMTP__HOST", "smtp.example.com"),
+            ]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("loopback"));
+    }
+
+    #[test]
+    fn loopback_hosts() {
+        assert!(is_loopback_host("localhost"));
+        assert!(is_loopback_host("127.0.0.1"));
+        assert!(is_loopback_host("[::1]"));
+        assert!(!is_loopback_host("10.0.0.1"));
+        assert!(!is_loopback_host("example.com"));
+    }
+
+    #[test]
+    fn unknown_key_in_file_refused() {
+        let dir = std::env::temp_dir().join(format!("airlock-cfg-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.toml");
+        std::fs::write(&path, "[worker]\nconcurency = 4\n").unwrap();
+        let e = Config::from_sources(Some(path.to_str().unwrap()), &vars(&[("DATABASE_URL", "postgres://x/y")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("concurency"), "{e}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,37 @@
+//! Connecting to Postgres and applying the one schema.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+use crate::config::DatabaseConfig;
+
+/// The migrations under `migrations/`, embedded once here for every binary.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+
+/// Opens a pool. Connections are checked before use, so a restarted Postgres is survived
+/// by the next query rather than by a restart of the process.
+pub async fn connect(cfg: &DatabaseConfig) -> Result<PgPool, sqlx::Error> {
+    PgPoolOptions::new()
+        .max_connections(cfg.max_connections)
+        .min_connections(0)
+        .acquire_timeout(Duration::from_secs(cfg.acquire_timeout_seconds))
+        .test_before_acquire(true)
+        .connect(cfg.url.expose())
+        .await
+}
+
+/// Applies every pending migration; safe to run concurrently from several processes
+/// (sqlx takes an advisory lock).
+pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    MIGRATOR.run(pool).await
+}
+
+/// Whether the database answers and every embedded migration is applied.
+pub async fn ready(pool: &PgPool) -> bool {
+    let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
+    let applied: Result<Option<i64>, _> =
+        sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success").fetch_one(pool).await;
+    matches!(applied, Ok(Some(v)) if v >= latest)
+}

@@ -1,0 +1,24 @@
+//! airlock-core: everything the airlock binaries share.
+//!
+//! A tour:
+//! - [`config`]: typed, layered configuration (defaults < TOML file < environment).
+//! - [`db`]: connecting to Postgres and applying the embedded migrations.
+//! - [`queue`]: the Postgres job queue — enqueue, batch claim with `SKIP LOCKED`, fenced
+//!   completion, heartbeats, the rescuer and retention. Every write of a lease holder is
+//!   fenced on `(id, attempt, state = 'running')`.
+//! - [`fault`]: named fault points at step boundaries, no-ops unless a test arms them.
+//! - [`principals`]: bearer tokens and roles.
+//! - [`telemetry`]: tracing set-up.
+//!
+//! SQL lives here and nowhere else; functions take an executor so the caller decides the
+//! transaction.
+
+pub mod config;
+pub mod db;
+pub mod fault;
+pub mod fleet;
+pub mod http;
+pub mod principals;
+pub mod queue;
+pub mod secret;
+pub mod telemetry;

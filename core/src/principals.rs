@@ -1,0 +1,173 @@
+//! Principals: who holds a bearer token, and in which role.
+//!
+//! A token is 256 random bits, shown once at creation; the database keeps only its
+//! sha256, so a leaked database does not leak working tokens. Lookup is by hash.
+
+use base64::Engine;
+use chrono::{DateTime, Utc};
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use sqlx::{FromRow, PgExecutor};
+use uuid::Uuid;
+
+use crate::secret::Secret;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, sqlx::Type)]
+#[sqlx(type_name = "principal_role", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Agent,
+    Reviewer,
+    Operator,
+    Admin,
+}
+
+impl Role {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "agent" => Some(Role::Agent),
+            "reviewer" => Some(Role::Reviewer),
+            "operator" => Some(Role::Operator),
+            "admin" => Some(Role::Admin),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Agent => "agent",
+            Role::Reviewer => "reviewer",
+            Role::Operator => "operator",
+            Role::Admin => "admin",
+        }
+    }
+
+    /// Whether this role includes everything `other` may do (admin ⊇ operator ⊇
+    /// reviewer; an agent includes only itself).
+    pub fn at_least(self, other: Role) -> bool {
+        let rank = |r: Role| match r {
+            Role::Agent => 0,
+            Role::Reviewer => 1,
+            Role::Operator => 2,
+            Role::Admin => 3,
+        };
+        match (self, other) {
+            (Role::Agent, Role::Agent) => true,
+            (Role::Agent, _) | (_, Role::Agent) => false,
+            _ => rank(self) >= rank(other),
+        }
+    }
+}
+
+#[derive(Debug, Clone, FromRow, Serialize)]
+pub struct Principal {
+    pub id: Uuid,
+    pub name: String,
+    pub role: Role,
+    pub agent_id: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PrincipalError {
+    #[error("a principal named `{0}` exists already")]
+    NameTaken(String),
+    #[error("{0}")]
+    Invalid(&'static str),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+/// Prefix that makes airlock tokens recognisable (e.g. by secret scanners).
+const TOKEN_PREFIX: &str = "alk_";
+
+/// Makes a fresh random token.
+pub fn generate_token() -> Secret {
+    let mut bytes = [0u8; 32];
+    rand::rng().fill_bytes(&mut bytes);
+    Secret::new(format!("{TOKEN_PREFIX}{}", base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)))
+}
+
+fn token_hash(token: &str) -> Vec<u8> {
+    Sha256::digest(token.as_bytes()).to_vec()
+}
+
+/// Creates a principal and returns it with its token (the only time the token exists
+/// outside its holder).
+pub async fn create(
+    db: impl PgExecutor<'_>,
+    name: &str,
+    role: Role,
+    agent_id: Option<&str>,
+) -> Result<(Principal, Secret), PrincipalError> {
+    let name = name.trim();
+    if name.is_empty() || name.len() > 200 {
+        return Err(PrincipalError::Invalid("name must be 1 to 200 characters"));
+    }
+    match (role, agent_id) {
+        (Role::Agent, None) => return Err(PrincipalError::Invalid("an agent principal needs --agent AGENT_ID")),
+        (Role::Agent, Some(a)) if a.trim().is_empty() || a.len() > 200 => {
+            return Err(PrincipalError::Invalid("agent id must be 1 to 200 characters"));
+        }
+        (r, Some(_)) if r != Role::Agent => {
+            return Err(PrincipalError::Invalid("only an agent principal is bound to an agent"));
+        }
+        _ => {}
+    }
+    let token = generate_token();
+    let res = sqlx::query_as(
+        r#"INSERT INTO principals (id, name, role, agent_id, token_sha256) VALUES ($1, $2, $3, $4, $5)
+           RETURNING id, name, role, agent_id, created_at, revoked_at"#,
+    )
+    .bind(Uuid::now_v7())
+    .bind(name)
+    .bind(role)
+    .bind(agent_id)
+    .bind(token_hash(token.expose()))
+    .fetch_one(db)
+    .await;
+    match res {
+        Ok(p) => Ok((p, token)),
+        Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Err(PrincipalError::NameTaken(name.into())),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Finds the live principal holding `token`, if any.
+pub async fn authenticate(db: impl PgExecutor<'_>, token: &str) -> Result<Option<Principal>, sqlx::Error> {
+    if !token.starts_with(TOKEN_PREFIX) || token.len() > 200 {
+        return Ok(None);
+    }
+    sqlx::query_as(
+        r#"SELECT id, name, role, agent_id, created_at, revoked_at FROM principals
+           WHERE token_sha256 = $1 AND revoked_at IS NULL"#,
+    )
+    .bind(token_hash(token))
+    .fetch_optional(db)
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_nest() {
+        assert!(Role::Admin.at_least(Role::Operator));
+        assert!(Role::Operator.at_least(Role::Reviewer));
+        assert!(!Role::Reviewer.at_least(Role::Operator));
+        assert!(!Role::Agent.at_least(Role::Reviewer));
+        assert!(!Role::Admin.at_least(Role::Agent));
+        assert!(Role::Agent.at_least(Role::Agent));
+    }
+
+    #[test]
+    fn tokens_are_distinct_and_long() {
+        let a = generate_token();
+        let b = generate_token();
+        assert_ne!(a, b);
+        assert!(a.expose().len() >= 40);
+    }
+}

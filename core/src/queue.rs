@@ -1,0 +1,677 @@
+//! The Postgres job queue.
+//!
+//! Invariants:
+//! - A claim is one statement (`FOR UPDATE SKIP LOCKED`) that moves rows to `running` and
+//!   bumps `attempt`, the lease epoch. No two holders ever share an epoch.
+//! - Every later write of a holder names `(id, attempt)` and `state = 'running'`; when it
+//!   matches no row the lease was lost and the caller gets [`QueueError::LeaseLost`],
+//!   never a silent overwrite.
+//! - Lease arithmetic uses the database clock.
+//! - Enqueue runs in the caller's transaction, so a job commits with the row it serves,
+//!   and sends one NOTIFY per statement (a wake-up hint; polling is the fallback).
+//! - The rescuer returns expired `pure`/`idempotent` jobs to `available` (with backoff) or
+//!   `failed`; a `non_repeatable` job whose effect may have started goes to `parked`.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sqlx::{FromRow, PgExecutor, Postgres, Transaction};
+use uuid::Uuid;
+
+/// The channel workers LISTEN on; the payload is the queue name.
+pub const NOTIFY_CHANNEL: &str = "airlock_jobs";
+
+/// Default queue for jobs that do not name one.
+pub const DEFAULT_QUEUE: &str = "default";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, sqlx::Type)]
+#[sqlx(type_name = "job_state", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    Available,
+    Running,
+    Completed,
+    Failed,
+    Parked,
+    Cancelled,
+}
+
+impl JobState {
+    pub const ALL: [JobState; 6] = [
+        JobState::Available,
+        JobState::Running,
+        JobState::Completed,
+        JobState::Failed,
+        JobState::Parked,
+        JobState::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Available => "available",
+            JobState::Running => "running",
+            JobState::Completed => "completed",
+            JobState::Failed => "failed",
+            JobState::Parked => "parked",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|v| v.as_str() == s)
+    }
+}
+
+/// What repeating a job's effect would do to the outside world.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, sqlx::Type)]
+#[sqlx(type_name = "effect_class", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
+pub enum EffectClass {
+    /// No external effect: safe to run again.
+    Pure,
+    /// Safe to repeat with the same idempotency key.
+    Idempotent,
+    /// Never repeated without a human.
+    NonRepeatable,
+}
+
+/// A job row.
+#[derive(Debug, Clone, FromRow, Serialize)]
+pub struct Job {
+    pub id: Uuid,
+    pub kind: String,
+    pub queue: String,
+    pub payload: serde_json::Value,
+    pub state: JobState,
+    pub priority: i16,
+    pub run_at: DateTime<Utc>,
+    pub attempt: i32,
+    pub max_attempts: i32,
+    pub effect_class: EffectClass,
+    pub effect_started_at: Option<DateTime<Utc>>,
+    pub lease_owner: Option<String>,
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    pub heartbeat_at: Option<DateTime<Utc>>,
+    pub attempted_at: Option<DateTime<Utc>>,
+    pub last_error: Option<String>,
+    pub unique_key: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+impl Job {
+    /// The fencing handle for this claim.
+    pub fn lease(&self) -> Lease {
+        Lease { id: self.id, attempt: self.attempt }
+    }
+}
+
+/// The proof of holding a claimed job: its id and the epoch of the claim. Every write a
+/// holder makes goes through one of these, fenced on both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Lease {
+    pub id: Uuid,
+    pub attempt: i32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    /// The job is no longer held under this epoch: another holder took it over, or it
+    /// was rescued, cancelled or finished. The caller must abandon it without effects.
+    #[error("lease lost on job {id} at attempt {attempt}")]
+    LeaseLost { id: Uuid, attempt: i32 },
+    #[error("job {0} not found")]
+    NotFound(Uuid),
+    #[error("job {id} cannot go from {from} by {action}")]
+    InvalidTransition { id: Uuid, from: &'static str, action: &'static str },
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+impl QueueError {
+    fn lost(lease: Lease) -> Self {
+        QueueError::LeaseLost { id: lease.id, attempt: lease.attempt }
+    }
+}
+
+/// A job to enqueue.
+#[derive(Debug, Clone)]
+pub struct NewJob {
+    pub kind: String,
+    pub queue: String,
+    pub payload: serde_json::Value,
+    pub priority: i16,
+    pub run_at: Option<DateTime<Utc>>,
+    pub max_attempts: i32,
+    pub effect_class: EffectClass,
+    pub unique_key: Option<String>,
+}
+
+impl NewJob {
+    pub fn new(kind: impl Into<String>, payload: serde_json::Value) -> Self {
+        Self {
+            kind: kind.into(),
+            queue: DEFAULT_QUEUE.into(),
+            payload,
+            priority: 100,
+            run_at: None,
+            max_attempts: 10,
+            effect_class: EffectClass::Pure,
+            unique_key: None,
+        }
+    }
+    pub fn queue(mut self, queue: impl Into<String>) -> Self {
+        self.queue = queue.into();
+        self
+    }
+    pub fn priority(mut self, priority: i16) -> Self {
+        self.priority = priority;
+        self
+    }
+    pub fn run_at(mut self, at: DateTime<Utc>) -> Self {
+        self.run_at = Some(at);
+        self
+    }
+    pub fn max_attempts(mut self, n: i32) -> Self {
+        self.max_attempts = n;
+        self
+    }
+    pub fn effect_class(mut self, class: EffectClass) -> Self {
+        self.effect_class = class;
+        self
+    }
+    pub fn unique_key(mut self, key: impl Into<String>) -> Self {
+        self.unique_key = Some(key.into());
+        self
+    }
+}
+
+/// The result of enqueueing one job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Enqueued {
+    pub id: Uuid,
+    /// False when a live job with the same unique key already existed; `id` is that job.
+    pub inserted: bool,
+}
+
+/// Enqueues one job in the caller's transaction. With a `unique_key` that a live job
+/// already holds, nothing is inserted and the existing job is returned.
+#[tracing::instrument(skip_all, fields(job.kind = %job.kind))]
+pub async fn enqueue(tx: &mut Transaction<'_, Postgres>, job: &NewJob) -> Result<Enqueued, QueueError> {
+    let mut out = enqueue_many(tx, std::slice::from_ref(job)).await?;
+    Ok(out.remove(0))
+}
+
+/// Enqueues many jobs with one INSERT statement and one NOTIFY per queue, in the caller's
+/// transaction. Results are in input order.
+#[tracing::instrument(skip_all, fields(jobs = jobs.len()))]
+pub async fn enqueue_many(tx: &mut Transaction<'_, Postgres>, jobs: &[NewJob]) -> Result<Vec<Enqueued>, QueueError> {
+    if jobs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<Uuid> = jobs.iter().map(|_| Uuid::now_v7()).collect();
+    let kinds: Vec<&str> = jobs.iter().map(|j| j.kind.as_str()).collect();
+    let queues: Vec<&str> = jobs.iter().map(|j| j.queue.as_str()).collect();
+    let payloads: Vec<serde_json::Value> = jobs.iter().map(|j| j.payload.clone()).collect();
+    let priorities: Vec<i16> = jobs.iter().map(|j| j.priority).collect();
+    let run_ats: Vec<Option<DateTime<Utc>>> = jobs.iter().map(|j| j.run_at).collect();
+    let max_attempts: Vec<i32> = jobs.iter().map(|j| j.max_attempts).collect();
+    let classes: Vec<EffectClass> = jobs.iter().map(|j| j.effect_class).collect();
+    let keys: Vec<Option<&str>> = jobs.iter().map(|j| j.unique_key.as_deref()).collect();
+
+    // Rows whose unique key is live already are skipped by ON CONFLICT; the existing job
+    // is looked up afterwards in the same transaction.
+    let inserted: Vec<Uuid> = sqlx::query_scalar(
+        r#"
+        INSERT INTO jobs (id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key)
+        SELECT id, kind, queue, payload, priority, coalesce(run_at, now()), max_attempts, effect_class, unique_key
+        FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[], $5::smallint[],
+                    $6::timestamptz[], $7::int[], $8::effect_class[], $9::text[])
+             AS t(id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key)
+        ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state IN ('available', 'running', 'parked')
+        DO NOTHING
+        RETURNING id
+        "#,
+    )
+    .bind(&ids)
+    .bind(&kinds)
+    .bind(&queues)
+    .bind(&payloads)
+    .bind(&priorities)
+    .bind(&run_ats)
+    .bind(&max_attempts)
+    .bind(&classes)
+    .bind(&keys)
+    .fetch_all(&mut **tx)
+    .await?;
+
+    let mut out = Vec::with_capacity(jobs.len());
+    let inserted: std::collections::HashSet<Uuid> = inserted.into_iter().collect();
+    for (id, job) in ids.iter().zip(jobs) {
+        if inserted.contains(id) {
+            out.push(Enqueued { id: *id, inserted: true });
+        } else {
+            let key = job.unique_key.as_deref().unwrap_or_default();
+            let existing: Uuid = sqlx::query_scalar(
+                r#"SELECT id FROM jobs WHERE unique_key = $1 AND state IN ('available', 'running', 'parked')"#,
+            )
+            .bind(key)
+            .fetch_one(&mut **tx)
+            .await?;
+            out.push(Enqueued { id: existing, inserted: false });
+        }
+    }
+    if !inserted.is_empty() {
+        let mut queues: Vec<&str> = queues.clone();
+        queues.sort_unstable();
+        queues.dedup();
+        for q in queues {
+            sqlx::query("SELECT pg_notify($1, $2)").bind(NOTIFY_CHANNEL).bind(q).execute(&mut **tx).await?;
+        }
+    }
+    Ok(out)
+}
+
+/// Which queues a claim may take from.
+#[derive(Debug, Clone, Default)]
+pub struct ClaimFilter {
+    /// `None`: every queue.
+    pub queues: Option<Vec<String>>,
+}
+
+/// Claims up to `limit` available jobs for `owner`, bumping each one's attempt, in one
+/// statement. Paused queues are skipped. Jobs come back in claim order.
+#[tracing::instrument(skip_all, fields(worker.id = owner, limit))]
+pub async fn claim_batch(
+    db: impl PgExecutor<'_>,
+    owner: &str,
+    filter: &ClaimFilter,
+    limit: i64,
+    lease: Duration,
+) -> Result<Vec<Job>, QueueError> {
+    let mut jobs: Vec<Job> = sqlx::query_as(
+        r#"
+        WITH picked AS (
+            SELECT id FROM jobs
+            WHERE state = 'available' AND run_at <= now()
+              AND ($2::text[] IS NULL OR queue = ANY($2))
+              AND queue <> ALL (ARRAY(SELECT queue FROM queue_pauses))
+              AND attempt < max_attempts
+            ORDER BY priority, run_at, id
+            LIMIT $3
+            FOR UPDATE SKIP LOCKED
+        )
+        UPDATE jobs j
+        SET state = 'running', attempt = j.attempt + 1, lease_owner = $1,
+            lease_expires_at = now() + make_interval(secs => $4), heartbeat_at = now(),
+            attempted_at = now(), effect_started_at = NULL
+        FROM picked WHERE j.id = picked.id
+        RETURNING j.*
+        "#,
+    )
+    .bind(owner)
+    .bind(filter.queues.as_ref())
+    .bind(limit)
+    .bind(lease.as_secs_f64())
+    .fetch_all(db)
+    .await?;
+    jobs.sort_by_key(|j| (j.priority, j.run_at, j.id));
+    Ok(jobs)
+}
+
+/// Extends one lease. Fails with `LeaseLost` when the job is no longer held at this epoch.
+pub async fn heartbeat(db: impl PgExecutor<'_>, lease: Lease, extend: Duration) -> Result<(), QueueError> {
+    let r = sqlx::query(
+        r#"UPDATE jobs SET lease_expires_at = now() + make_interval(secs => $3), heartbeat_at = now()
+           WHERE id = $1 AND attempt = $2 AND state = 'running'"#,
+    )
+    .bind(lease.id)
+    .bind(lease.attempt)
+    .bind(extend.as_secs_f64())
+    .execute(db)
+    .await?;
+    fenced(r, lease)
+}
+
+/// Extends many leases in one statement; returns the leases that are still held (the
+/// others were lost and their holders must stop).
+pub async fn heartbeat_many(
+    db: impl PgExecutor<'_>,
+    leases: &[Lease],
+    extend: Duration,
+) -> Result<Vec<Lease>, QueueError> {
+    if leases.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<Uuid> = leases.iter().map(|l| l.id).collect();
+    let attempts: Vec<i32> = leases.iter().map(|l| l.attempt).collect();
+    let held: Vec<(Uuid, i32)> = sqlx::query_as(
+        r#"UPDATE jobs j SET lease_expires_at = now() + make_interval(secs => $3), heartbeat_at = now()
+           FROM unnest($1::uuid[], $2::int[]) AS t(id, attempt)
+           WHERE j.id = t.id AND j.attempt = t.attempt AND j.state = 'running'
+           RETURNING j.id, j.attempt"#,
+    )
+    .bind(&ids)
+    .bind(&attempts)
+    .bind(extend.as_secs_f64())
+    .fetch_all(db)
+    .await?;
+    Ok(held.into_iter().map(|(id, attempt)| Lease { id, attempt }).collect())
+}
+
+fn fenced(r: sqlx::postgres::PgQueryResult, lease: Lease) -> Result<(), QueueError> {
+    if r.rows_affected() == 0 { Err(QueueError::lost(lease)) } else { Ok(()) }
+}
+
+/// Records that the job's external effect may start now. Call it inside the transaction
+/// that commits the attempt; it refuses an expired lease, so a holder that was paused past
+/// its lease can never start an effect.
+pub async fn mark_effect_started(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), QueueError> {
+    let r = sqlx::query(
+        r#"UPDATE jobs SET effect_started_at = now()
+           WHERE id = $1 AND attempt = $2 AND state = 'running' AND lease_expires_at > now()"#,
+    )
+    .bind(lease.id)
+    .bind(lease.attempt)
+    .execute(db)
+    .await?;
+    fenced(r, lease)
+}
+
+/// Completes a held job.
+pub async fn complete(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), QueueError> {
+    let r = sqlx::query(
+        r#"UPDATE jobs SET state = 'completed', finished_at = now(), lease_owner = NULL,
+               lease_expires_at = NULL, effect_started_at = NULL
+           WHERE id = $1 AND attempt = $2 AND state = 'running'"#,
+    )
+    .bind(lease.id)
+    .bind(lease.attempt)
+    .execute(db)
+    .await?;
+    fenced(r, lease)
+}
+
+/// How a failed attempt ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailOutcome {
+    /// Back to `available`, to run again at the given time.
+    Retry,
+    /// Attempts exhausted (or the failure was permanent): `failed`.
+    Failed,
+}
+
+/// Fails a held job. A retryable failure goes back to `available` after the backoff (or
+/// `delay`, when the caller knows better, e.g. a server's Retry-After) until
+/// `max_attempts` is reached; then, or when `permanent`, the job is `failed`.
+pub async fn fail(
+    db: impl PgExecutor<'_>,
+    lease: Lease,
+    error: &str,
+    permanent: bool,
+    delay: Option<Duration>,
+) -> Result<FailOutcome, QueueError> {
+    let state: Option<JobState> = sqlx::query_scalar(
+        r#"UPDATE jobs SET
+               state = CASE WHEN $4 OR attempt >= max_attempts THEN 'failed'::job_state ELSE 'available'::job_state END,
+               finished_at = CASE WHEN $4 OR attempt >= max_attempts THEN now() END,
+               run_at = CASE WHEN $4 OR attempt >= max_attempts THEN run_at
+                             ELSE now() + coalesce(make_interval(secs => $5), airlock_backoff(attempt)) END,
+               last_error = $3, lease_owner = NULL, lease_expires_at = NULL, effect_started_at = NULL
+           WHERE id = $1 AND attempt = $2 AND state = 'running'
+           RETURNING state"#,
+    )
+    .bind(lease.id)
+    .bind(lease.attempt)
+    .bind(truncate_error(error))
+    .bind(permanent)
+    .bind(delay.map(|d| d.as_secs_f64()))
+    .fetch_optional(db)
+    .await?;
+    match state {
+        None => Err(QueueError::lost(lease)),
+        Some(JobState::Failed) => Ok(FailOutcome::Failed),
+        Some(_) => Ok(FailOutcome::Retry),
+    }
+}
+
+/// Puts a held job back to `available` to run again after `delay`, without spending an
+/// attempt (the allowance grows by one, so the epoch still only ever increases).
+pub async fn snooze(db: impl PgExecutor<'_>, lease: Lease, delay: Duration) -> Result<(), QueueError> {
+    let r = sqlx::query(
+        r#"UPDATE jobs SET state = 'available', run_at = now() + make_interval(secs => $3),
+               max_attempts = max_attempts + 1, lease_owner = NULL, lease_expires_at = NULL,
+               effect_started_at = NULL
+           WHERE id = $1 AND attempt = $2 AND state = 'running'"#,
+    )
+    .bind(lease.id)
+    .bind(lease.attempt)
+    .bind(delay.as_secs_f64())
+    .execute(db)
+    .await?;
+    fenced(r, lease)
+}
+
+/// Gives a held job back untouched because this worker is stopping before (or while)
+/// running it. Refused once its effect may have started: then the rescuer decides.
+pub async fn release(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), QueueError> {
+    let r = sqlx::query(
+        r#"UPDATE jobs SET state = 'available', run_at = now(), max_attempts = max_attempts + 1,
+               lease_owner = NULL, lease_expires_at = NULL
+           WHERE id = $1 AND attempt = $2 AND state = 'running' AND effect_started_at IS NULL"#,
+    )
+    .bind(lease.id)
+    .bind(lease.attempt)
+    .execute(db)
+    .await?;
+    fenced(r, lease)
+}
+
+/// Parks a held job for a human.
+pub async fn park(db: impl PgExecutor<'_>, lease: Lease, reason: &str) -> Result<(), QueueError> {
+    let r = sqlx::query(
+        r#"UPDATE jobs SET state = 'parked', last_error = $3, lease_owner = NULL, lease_expires_at = NULL
+           WHERE id = $1 AND attempt = $2 AND state = 'running'"#,
+    )
+    .bind(lease.id)
+    .bind(lease.attempt)
+    .bind(truncate_error(reason))
+    .execute(db)
+    .await?;
+    fenced(r, lease)
+}
+
+/// Cancels a job that is not running (an operator or owner action). A running job is
+/// refused: its holder finishes or its lease expires first.
+pub async fn cancel(db: impl PgExecutor<'_>, id: Uuid, reason: &str) -> Result<(), QueueError> {
+    let r = sqlx::query(
+        r#"UPDATE jobs SET state = 'cancelled', finished_at = now(), last_error = $2, effect_started_at = NULL
+           WHERE id = $1 AND state IN ('available', 'parked')"#,
+    )
+    .bind(id)
+    .bind(truncate_error(reason))
+    .execute(db)
+    .await?;
+    if r.rows_affected() == 0 {
+        return Err(QueueError::InvalidTransition { id, from: "running or finished", action: "cancel" });
+    }
+    Ok(())
+}
+
+/// Makes a parked or failed job available again now, with one more attempt allowed (an
+/// explicit human decision).
+pub async fn retry_now(db: impl PgExecutor<'_>, id: Uuid) -> Result<(), QueueError> {
+    let r = sqlx::query(
+        r#"UPDATE jobs SET state = 'available', run_at = now(), finished_at = NULL, effect_started_at = NULL,
+               max_attempts = greatest(max_attempts, attempt + 1)
+           WHERE id = $1 AND state IN ('parked', 'failed')"#,
+    )
+    .bind(id)
+    .execute(db)
+    .await?;
+    if r.rows_affected() == 0 {
+        return Err(QueueError::InvalidTransition { id, from: "not parked or failed", action: "retry" });
+    }
+    Ok(())
+}
+
+/// Reads one job.
+pub async fn get(db: impl PgExecutor<'_>, id: Uuid) -> Result<Job, QueueError> {
+    sqlx::query_as("SELECT * FROM jobs WHERE id = $1")
+        .bind(id)
+        .fetch_optional(db)
+        .await?
+        .ok_or(QueueError::NotFound(id))
+}
+
+/// What the rescuer did with one expired job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RescueOutcome {
+    Retried,
+    Failed,
+    Parked,
+}
+
+/// A job the rescuer moved, with its state before the move, so that the owner of the
+/// job's kind can update its own rows in the same transaction.
+#[derive(Debug, Clone)]
+pub struct Rescued {
+    pub job: Job,
+    pub outcome: RescueOutcome,
+    /// Whether the effect may have started under the expired lease.
+    pub effect_started: bool,
+}
+
+/// Counts from one pass of the rescuer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RescueCounts {
+    pub retried: usize,
+    pub failed: usize,
+    pub parked: usize,
+}
+
+/// One pass of the rescuer over at most `limit` jobs whose lease expired, in the caller's
+/// transaction (so the caller can update the rows the jobs serve before it commits).
+/// Several workers may run it at once: SKIP LOCKED gives each its own rows.
+#[tracing::instrument(skip_all)]
+pub async fn rescue_expired(tx: &mut Transaction<'_, Postgres>, limit: i64) -> Result<Vec<Rescued>, QueueError> {
+    let rows: Vec<(Uuid, bool)> = sqlx::query_as(
+        r#"
+        WITH expired AS (
+            SELECT id, effect_started_at IS NOT NULL AS effect_started FROM jobs
+            WHERE state = 'running' AND lease_expires_at < now()
+            ORDER BY lease_expires_at
+            LIMIT $1
+            FOR UPDATE SKIP LOCKED
+        )
+        UPDATE jobs j SET
+            state = CASE
+                WHEN j.effect_class = 'non_repeatable' AND e.effect_started THEN 'parked'::job_state
+                WHEN j.attempt >= j.max_attempts THEN 'failed'::job_state
+                ELSE 'available'::job_state END,
+            finished_at = CASE
+                WHEN j.effect_class = 'non_repeatable' AND e.effect_started THEN NULL
+                WHEN j.attempt >= j.max_attempts THEN now() END,
+            run_at = CASE
+                WHEN j.effect_class <> 'non_repeatable' OR NOT e.effect_started THEN now() + airlock_backoff(j.attempt)
+                ELSE j.run_at END,
+            effect_started_at = CASE
+                WHEN j.effect_class = 'non_repeatable' AND e.effect_started THEN j.effect_started_at END,
+            last_error = CASE
+                WHEN j.effect_class = 'non_repeatable' AND e.effect_started
+                    THEN 'lease expired after the effect may have started: parked for a human'
+                ELSE 'lease expired' END,
+            lease_owner = NULL, lease_expires_at = NULL
+        FROM expired e WHERE j.id = e.id
+        RETURNING j.id, e.effect_started
+        "#,
+    )
+    .bind(limit)
+    .fetch_all(&mut **tx)
+    .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for (id, effect_started) in rows {
+        let job: Job = sqlx::query_as("SELECT * FROM jobs WHERE id = $1").bind(id).fetch_one(&mut **tx).await?;
+        let outcome = match job.state {
+            JobState::Parked => RescueOutcome::Parked,
+            JobState::Failed => RescueOutcome::Failed,
+            _ => RescueOutcome::Retried,
+        };
+        out.push(Rescued { job, outcome, effect_started });
+    }
+    Ok(out)
+}
+
+impl RescueCounts {
+    pub fn of(rescued: &[Rescued]) -> Self {
+        let mut c = RescueCounts::default();
+        for r in rescued {
+            match r.outcome {
+                RescueOutcome::Retried => c.retried += 1,
+                RescueOutcome::Failed => c.failed += 1,
+                RescueOutcome::Parked => c.parked += 1,
+            }
+        }
+        c
+    }
+}
+
+/// Deletes at most `batch` completed or cancelled jobs that finished more than `age` ago.
+/// Returns how many were deleted; call again while it returns `batch`.
+pub async fn prune_finished(db: impl PgExecutor<'_>, age: Duration, batch: i64) -> Result<u64, QueueError> {
+    let r = sqlx::query(
+        r#"DELETE FROM jobs WHERE id IN (
+               SELECT id FROM jobs
+               WHERE state IN ('completed', 'cancelled') AND finished_at < now() - make_interval(secs => $1)
+               ORDER BY finished_at
+               LIMIT $2
+               FOR UPDATE SKIP LOCKED)"#,
+    )
+    .bind(age.as_secs_f64())
+    .bind(batch)
+    .execute(db)
+    .await?;
+    Ok(r.rows_affected())
+}
+
+/// Pauses a queue: workers stop claiming from it (running jobs go on).
+pub async fn pause_queue(db: impl PgExecutor<'_>, queue: &str, reason: &str) -> Result<(), QueueError> {
+    sqlx::query("INSERT INTO queue_pauses (queue, reason) VALUES ($1, $2) ON CONFLICT (queue) DO NOTHING")
+        .bind(queue)
+        .bind(reason)
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+/// Resumes a paused queue and wakes workers.
+pub async fn resume_queue(db: impl PgExecutor<'_>, queue: &str) -> Result<(), QueueError> {
+    sqlx::query("WITH d AS (DELETE FROM queue_pauses WHERE queue = $1) SELECT pg_notify($2, $1)")
+        .bind(queue)
+        .bind(NOTIFY_CHANNEL)
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+/// Job counts by kind and state.
+#[derive(Debug, Clone, FromRow, Serialize)]
+pub struct StateCount {
+    pub kind: String,
+    pub state: JobState,
+    pub count: i64,
+}
+
+pub async fn count_by_kind_state(db: impl PgExecutor<'_>) -> Result<Vec<StateCount>, QueueError> {
+    Ok(sqlx::query_as("SELECT kind, state, count(*) AS count FROM jobs GROUP BY kind, state ORDER BY kind, state")
+        .fetch_all(db)
+        .await?)
+}
+
+fn truncate_error(e: &str) -> &str {
+    match e.char_indices().nth(2000) {
+        Some((i, _)) => &e[..i],
+        None => e,
+    }
+}

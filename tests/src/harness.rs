@@ -1,0 +1,111 @@
+//! Helpers shared by the suites: the database URL of a test's own database, the path of a
+//! built binary, spawning real processes, and bounded waiting.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+
+/// The URL of the database behind `pool` (a `#[sqlx::test]` database), built from
+/// `DATABASE_URL` with the database name replaced.
+pub fn database_url(pool: &PgPool) -> String {
+    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL must be set for the suites");
+    let name = pool.connect_options().get_database().expect("test pool has a database").to_string();
+    let (prefix, rest) = base.split_at(base.find("://").map(|i| i + 3).expect("DATABASE_URL is a URL"));
+    let (authority, query) = match rest.find('/') {
+        Some(i) => {
+            let after = &rest[i + 1..];
+            (&rest[..i], after.find('?').map(|q| &after[q..]).unwrap_or(""))
+        }
+        None => (rest, ""),
+    };
+    format!("{prefix}{authority}/{name}{query}")
+}
+
+/// The path of a workspace binary, built by `cargo build --workspace --bins` (which
+/// `scripts/test` runs first). Panics, loudly, when it is missing.
+pub fn bin_path(name: &str) -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join("target"));
+    let path = target.join("debug").join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the binaries first (cargo build --workspace --bins, as scripts/test does)",
+        path.display()
+    );
+    path
+}
+
+/// Spawns a real `airlock-*` binary with the given database and extra environment.
+/// Standard output is piped; logs go to stderr (shown with `--nocapture`).
+pub fn spawn(binary: &str, args: &[&str], db_url: &str, env: &[(&str, &str)]) -> Child {
+    let mut cmd = Command::new(bin_path(binary));
+    cmd.args(args)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("DATABASE_URL", db_url)
+        .env("RUST_LOG", std::env::var("TEST_LOG").unwrap_or_else(|_| "warn".into()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(if std::env::var_os("TEST_LOG").is_some() { Stdio::inherit() } else { Stdio::null() });
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().unwrap_or_else(|e| panic!("spawning {binary}: {e}"))
+}
+
+/// Sends `signal` to a child process.
+pub fn signal(child: &Child, signal: nix::sys::signal::Signal) {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal).expect("signal the child");
+}
+
+/// Waits for a child to exit, up to `timeout`; kills it and panics if it does not.
+pub fn wait_exit(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("wait for child") {
+            return status;
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            panic!("process {} did not exit within {timeout:?}", child.id());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Polls `check` every 20 ms until it returns `Some`, or panics after `timeout` with `what`.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A child process that is SIGKILLed when dropped, so a failing test leaves nothing behind.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Installs the test log subscriber once (quiet unless `TEST_LOG` is set).
+pub fn init_logs() {
+    if let Ok(filter) = std::env::var("TEST_LOG") {
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
+    }
+    airlock_core::telemetry::install_crypto_provider();
+}

@@ -1,0 +1,491 @@
+//! The job queue against a real Postgres, a fresh database per test.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use airlock_core::queue::{self, ClaimFilter, EffectClass, FailOutcome, JobState, NewJob, QueueError};
+use serde_json::json;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+const LEASE: Duration = Duration::from_secs(30);
+
+async fn enqueue(pool: &PgPool, job: NewJob) -> queue::Enqueued {
+    let mut tx = pool.begin().await.unwrap();
+    let e = queue::enqueue(&mut tx, &job).await.unwrap();
+    tx.commit().await.unwrap();
+    e
+}
+
+async fn claim_one(pool: &PgPool, owner: &str) -> Option<queue::Job> {
+    queue::claim_batch(pool, owner, &ClaimFilter::default(), 1, LEASE).await.unwrap().pop()
+}
+
+async fn expire_lease(pool: &PgPool, id: Uuid) {
+    sqlx::query("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1")
+        .bind(id)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+async fn rescue(pool: &PgPool) -> Vec<queue::Rescued> {
+    let mut tx = pool.begin().await.unwrap();
+    let r = queue::rescue_expired(&mut tx, 100).await.unwrap();
+    tx.commit().await.unwrap();
+    r
+}
+
+async fn make_due(pool: &PgPool, id: Uuid) {
+    sqlx::query("UPDATE jobs SET run_at = now() WHERE id = $1").bind(id).execute(pool).await.unwrap();
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn eight_claimers_complete_ten_thousand_jobs_exactly_once(pool: PgPool) {
+    let total = 10_000usize;
+    for chunk in 0..10 {
+        let jobs: Vec<NewJob> =
+            (0..total / 10).map(|i| NewJob::new("test.noop", json!({"n": chunk * 1000 + i}))).collect();
+        let mut tx = pool.begin().await.unwrap();
+        let out = queue::enqueue_many(&mut tx, &jobs).await.unwrap();
+        assert!(out.iter().all(|e| e.inserted));
+        tx.commit().await.unwrap();
+    }
+
+    let mut handles = Vec::new();
+    for w in 0..8 {
+        let pool = pool.clone();
+        handles.push(tokio::spawn(async move {
+            let owner = format!("claimer-{w}");
+            let mut done = Vec::new();
+            loop {
+                let jobs = queue::claim_batch(&pool, &owner, &ClaimFilter::default(), 16, LEASE).await.unwrap();
+                if jobs.is_empty() {
+                    return done;
+                }
+                for job in jobs {
+                    assert_eq!(job.attempt, 1, "a job was claimed twice");
+                    queue::complete(&pool, job.lease()).await.unwrap();
+                    done.push(job.id);
+                }
+            }
+        }));
+    }
+    let mut seen = HashSet::new();
+    let mut count = 0;
+    for h in handles {
+        for id in h.await.unwrap() {
+            count += 1;
+            assert!(seen.insert(id), "job {id} completed by two claimers");
+        }
+    }
+    assert_eq!(count, total);
+    let (completed, other): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE state = 'completed' AND attempt = 1), count(*) FILTER (WHERE state <> 'completed') FROM jobs",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(completed as usize, total);
+    assert_eq!(other, 0, "jobs left behind");
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_holder_whose_lease_was_taken_over_cannot_write(pool: PgPool) {
+    let e = enqueue(&pool, NewJob::new("test.noop", json!({}))).await;
+    let first = claim_one(&pool, "worker-a").await.unwrap();
+    assert_eq!(first.attempt, 1);
+
+    expire_lease(&pool, e.id).await;
+    let rescued = rescue(&pool).await;
+    assert_eq!(rescued.len(), 1);
+    make_due(&pool, e.id).await;
+    let second = claim_one(&pool, "worker-b").await.unwrap();
+    assert_eq!(second.id, e.id);
+    assert_eq!(second.attempt, 2);
+
+    let stale = first.lease();
+    let lost = |r: Result<(), QueueError>| matches!(r, Err(QueueError::LeaseLost { .. }));
+    assert!(lost(queue::complete(&pool, stale).await), "stale complete refused");
+    assert!(lost(queue::heartbeat(&pool, stale, LEASE).await), "stale heartbeat refused");
+    assert!(lost(queue::mark_effect_started(&pool, stale).await), "stale effect refused");
+    assert!(lost(queue::snooze(&pool, stale, LEASE).await), "stale snooze refused");
+    assert!(lost(queue::park(&pool, stale, "x").await), "stale park refused");
+    assert!(matches!(queue::fail(&pool, stale, "boom", false, None).await, Err(QueueError::LeaseLost { .. })));
+    assert!(queue::heartbeat_many(&pool, &[stale], LEASE).await.unwrap().is_empty());
+
+    // The new holder's result stands.
+    queue::complete(&pool, second.lease()).await.unwrap();
+    let job = queue::get(&pool, e.id).await.unwrap();
+    assert_eq!(job.state, JobState::Completed);
+    assert_eq!(job.attempt, 2);
+    assert!(lost(queue::complete(&pool, second.lease()).await), "completing twice is refused");
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn an_expired_lease_cannot_start_an_effect(pool: PgPool) {
+    let e = enqueue(&pool, NewJob::new("test.send", json!({})).effect_class(EffectClass::NonRepeatable)).await;
+    let job = claim_one(&pool, "paused-worker").await.unwrap();
+    expire_lease(&pool, e.id).await;
+    // Not yet rescued, but the lease is over: no effect may start under it.
+    assert!(matches!(queue::mark_effect_started(&pool, job.lease()).await, Err(QueueError::LeaseLost { .. })));
+    let rescued = rescue(&pool).await;
+    assert_eq!(rescued[0].outcome, queue::RescueOutcome::Retried, "no effect started: safe to retry");
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn rescuer_follows_the_effect_class(pool: PgPool) {
+    let pure = enqueue(&pool, NewJob::new("t", json!({})).effect_class(EffectClass::Pure)).await.id;
+    let idem = enqueue(&pool, NewJob::new("t", json!({})).effect_class(EffectClass::Idempotent)).await.id;
+    let nonrep = enqueue(&pool, NewJob::new("t", json!({})).effect_class(EffectClass::NonRepeatable)).await.id;
+    let nonrep_unstarted =
+        enqueue(&pool, NewJob::new("t", json!({})).effect_class(EffectClass::NonRepeatable)).await.id;
+    let exhausted = enqueue(&pool, NewJob::new("t", json!({})).max_attempts(1)).await.id;
+
+    let claimed = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10, LEASE).await.unwrap();
+    assert_eq!(claimed.len(), 5);
+    for j in &claimed {
+        if j.id == idem || j.id == nonrep {
+            queue::mark_effect_started(&pool, j.lease()).await.unwrap();
+        }
+    }
+    sqlx::query("UPDATE jobs SET lease_expires_at = now() - interval '1 second'").execute(&pool).await.unwrap();
+    let rescued = rescue(&pool).await;
+    assert_eq!(queue::RescueCounts::of(&rescued), queue::RescueCounts { retried: 3, failed: 1, parked: 1 });
+
+    let state = |id| {
+        let pool = pool.clone();
+        async move { queue::get(&pool, id).await.unwrap() }
+    };
+    assert_eq!(state(pure).await.state, JobState::Available);
+    assert_eq!(state(idem).await.state, JobState::Available, "idempotent effects are retried with their key");
+    assert!(state(idem).await.effect_started_at.is_none());
+    let parked = state(nonrep).await;
+    assert_eq!(parked.state, JobState::Parked, "a started non-repeatable effect waits for a human");
+    assert!(parked.effect_started_at.is_some());
+    assert!(parked.finished_at.is_none());
+    assert_eq!(state(nonrep_unstarted).await.state, JobState::Available);
+    assert_eq!(state(exhausted).await.state, JobState::Failed);
+    let started: Vec<bool> =
+        rescued.iter().filter(|r| r.job.id == nonrep || r.job.id == idem).map(|r| r.effect_started).collect();
+    assert_eq!(started, vec![true, true]);
+
+    // A second pass finds nothing: rescue is not repeated.
+    assert!(rescue(&pool).await.is_empty());
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn backoff_grows_and_stops_at_max_attempts(pool: PgPool) {
+    let id = enqueue(&pool, NewJob::new("t", json!({})).max_attempts(4)).await.id;
+    let mut delays = Vec::new();
+    for attempt in 1..=4 {
+        let job = claim_one(&pool, "w").await.unwrap();
+        assert_eq!(job.attempt, attempt);
+        let outcome = queue::fail(&pool, job.lease(), "transient", false, None).await.unwrap();
+        if attempt < 4 {
+            assert_eq!(outcome, FailOutcome::Retry);
+            let secs: f64 =
+                sqlx::query_scalar("SELECT extract(epoch FROM run_at - now())::float8 FROM jobs WHERE id = $1")
+                    .bind(id)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            delays.push(secs);
+            assert!(claim_one(&pool, "w").await.is_none(), "not claimable before its backoff");
+            make_due(&pool, id).await;
+        } else {
+            assert_eq!(outcome, FailOutcome::Failed);
+        }
+    }
+    // 1 s, 2 s, 4 s, each ±20%.
+    for (i, d) in delays.iter().enumerate() {
+        let base = 2f64.powi(i as i32);
+        assert!(*d > base * 0.75 && *d < base * 1.25, "delay {i} was {d}, expected about {base}");
+    }
+    let job = queue::get(&pool, id).await.unwrap();
+    assert_eq!(job.state, JobState::Failed);
+    assert!(job.finished_at.is_some());
+    assert_eq!(job.last_error.as_deref(), Some("transient"));
+    assert!(claim_one(&pool, "w").await.is_none());
+
+    let cap: f64 =
+        sqlx::query_scalar("SELECT extract(epoch FROM airlock_backoff(40))::float8").fetch_one(&pool).await.unwrap();
+    assert!(cap <= 3600.0 * 1.2 + 1.0, "backoff is capped, got {cap}");
+
+    // A permanent failure does not retry; an explicit delay overrides the backoff.
+    let p = enqueue(&pool, NewJob::new("t", json!({}))).await.id;
+    let job = claim_one(&pool, "w").await.unwrap();
+    assert_eq!(queue::fail(&pool, job.lease(), "bad input", true, None).await.unwrap(), FailOutcome::Failed);
+    assert_eq!(queue::get(&pool, p).await.unwrap().state, JobState::Failed);
+    let d = enqueue(&pool, NewJob::new("t", json!({}))).await.id;
+    let job = claim_one(&pool, "w").await.unwrap();
+    queue::fail(&pool, job.lease(), "busy", false, Some(Duration::from_secs(600))).await.unwrap();
+    let secs: f64 = sqlx::query_scalar("SELECT extract(epoch FROM run_at - now())::float8 FROM jobs WHERE id = $1")
+        .bind(d)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!((590.0..=600.0).contains(&secs), "{secs}");
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn unique_keys_deduplicate_live_jobs(pool: PgPool) {
+    let a = enqueue(&pool, NewJob::new("t", json!({"v": 1})).unique_key("k1")).await;
+    let b = enqueue(&pool, NewJob::new("t", json!({"v": 2})).unique_key("k1")).await;
+    assert!(a.inserted);
+    assert!(!b.inserted);
+    assert_eq!(a.id, b.id);
+
+    // Within one batch too.
+    let mut tx = pool.begin().await.unwrap();
+    let out = queue::enqueue_many(
+        &mut tx,
+        &[
+            NewJob::new("t", json!({})).unique_key("k2"),
+            NewJob::new("t", json!({})).unique_key("k2"),
+            NewJob::new("t", json!({})).unique_key("k1"),
+            NewJob::new("t", json!({})),
+        ],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert!(out[0].inserted && !out[1].inserted && !out[2].inserted && out[3].inserted);
+    assert_eq!(out[0].id, out[1].id);
+    assert_eq!(out[2].id, a.id);
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs").fetch_one(&pool).await.unwrap();
+    assert_eq!(n, 3);
+
+    // Once the job is finished, the key is free again.
+    let claimed = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10, LEASE).await.unwrap();
+    for j in claimed {
+        queue::complete(&pool, j.lease()).await.unwrap();
+    }
+    let c = enqueue(&pool, NewJob::new("t", json!({})).unique_key("k1")).await;
+    assert!(c.inserted);
+    assert_ne!(c.id, a.id);
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn scheduling_and_priorities_order_claims(pool: PgPool) {
+    let later =
+        enqueue(&pool, NewJob::new("t", json!({})).run_at(chrono::Utc::now() + chrono::Duration::hours(1))).await.id;
+    let p5 = enqueue(&pool, NewJob::new("t", json!({})).priority(5)).await.id;
+    let p1 = enqueue(&pool, NewJob::new("t", json!({})).priority(1)).await.id;
+    let p3a = enqueue(&pool, NewJob::new("t", json!({})).priority(3)).await.id;
+    let p3b = enqueue(&pool, NewJob::new("t", json!({})).priority(3)).await.id;
+
+    let mut order = Vec::new();
+    while let Some(j) = claim_one(&pool, "w").await {
+        order.push(j.id);
+    }
+    assert_eq!(order, vec![p1, p3a, p3b, p5], "priority first, then age; the future job waits");
+    assert_eq!(queue::get(&pool, later).await.unwrap().state, JobState::Available);
+    make_due(&pool, later).await;
+    assert_eq!(claim_one(&pool, "w").await.unwrap().id, later);
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn named_queues_and_pauses(pool: PgPool) {
+    let send = enqueue(&pool, NewJob::new("t", json!({})).queue("send")).await.id;
+    let other = enqueue(&pool, NewJob::new("t", json!({})).queue("other")).await.id;
+    let only_send = ClaimFilter { queues: Some(vec!["send".into()]) };
+
+    queue::pause_queue(&pool, "send", "switch off").await.unwrap();
+    assert!(queue::claim_batch(&pool, "w", &only_send, 10, LEASE).await.unwrap().is_empty());
+    let all = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10, LEASE).await.unwrap();
+    assert_eq!(all.iter().map(|j| j.id).collect::<Vec<_>>(), vec![other], "a paused queue is skipped");
+
+    queue::resume_queue(&pool, "send").await.unwrap();
+    let got = queue::claim_batch(&pool, "w", &only_send, 10, LEASE).await.unwrap();
+    assert_eq!(got.iter().map(|j| j.id).collect::<Vec<_>>(), vec![send]);
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn snooze_release_and_cancel(pool: PgPool) {
+    let id = enqueue(&pool, NewJob::new("t", json!({})).max_attempts(2)).await.id;
+    let j = claim_one(&pool, "w").await.unwrap();
+    queue::snooze(&pool, j.lease(), Duration::from_secs(3600)).await.unwrap();
+    let job = queue::get(&pool, id).await.unwrap();
+    assert_eq!((job.state, job.attempt, job.max_attempts), (JobState::Available, 1, 3), "snooze spends no attempt");
+    assert!(claim_one(&pool, "w").await.is_none());
+
+    make_due(&pool, id).await;
+    let j = claim_one(&pool, "w").await.unwrap();
+    assert_eq!(j.attempt, 2, "the epoch only grows");
+    assert!(matches!(queue::cancel(&pool, id, "no").await, Err(QueueError::InvalidTransition { .. })));
+    queue::release(&pool, j.lease()).await.unwrap();
+    let job = queue::get(&pool, id).await.unwrap();
+    assert_eq!((job.state, job.max_attempts), (JobState::Available, 4));
+
+    // Release is refused once the effect may have started.
+    let j = claim_one(&pool, "w").await.unwrap();
+    queue::mark_effect_started(&pool, j.lease()).await.unwrap();
+    assert!(matches!(queue::release(&pool, j.lease()).await, Err(QueueError::LeaseLost { .. })));
+    queue::fail(&pool, j.lease(), "x", false, None).await.unwrap();
+
+    queue::cancel(&pool, id, "operator said so").await.unwrap();
+    let job = queue::get(&pool, id).await.unwrap();
+    assert_eq!(job.state, JobState::Cancelled);
+    assert!(job.finished_at.is_some());
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn retention_prunes_old_finished_jobs_in_batches(pool: PgPool) {
+    let mut ids = Vec::new();
+    for _ in 0..5 {
+        ids.push(enqueue(&pool, NewJob::new("t", json!({}))).await.id);
+    }
+    let claimed = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 4, LEASE).await.unwrap();
+    queue::complete(&pool, claimed[0].lease()).await.unwrap();
+    queue::complete(&pool, claimed[1].lease()).await.unwrap();
+    queue::complete(&pool, claimed[2].lease()).await.unwrap();
+    queue::fail(&pool, claimed[3].lease(), "x", true, None).await.unwrap();
+    // Two completed and the failed one are old; one completed is recent; one is available.
+    sqlx::query("UPDATE jobs SET finished_at = now() - interval '2 days' WHERE id = ANY($1)")
+        .bind(vec![claimed[0].id, claimed[1].id, claimed[3].id])
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let day = Duration::from_secs(86_400);
+    assert_eq!(queue::prune_finished(&pool, day, 1).await.unwrap(), 1);
+    assert_eq!(queue::prune_finished(&pool, day, 1).await.unwrap(), 1);
+    assert_eq!(queue::prune_finished(&pool, day, 1).await.unwrap(), 0);
+    let left: Vec<(Uuid, JobState)> =
+        sqlx::query_as("SELECT id, state FROM jobs ORDER BY id").fetch_all(&pool).await.unwrap();
+    assert_eq!(left.len(), 3);
+    assert!(left.iter().any(|(id, s)| *id == claimed[2].id && *s == JobState::Completed), "recent kept");
+    assert!(left.iter().any(|(id, s)| *id == claimed[3].id && *s == JobState::Failed), "failed kept");
+    assert!(left.iter().any(|(_, s)| *s == JobState::Available), "live kept");
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn the_claim_uses_the_partial_index(pool: PgPool) {
+    let plan: Vec<String> = sqlx::query_scalar(
+        "EXPLAIN SELECT id FROM jobs WHERE state = 'available' AND run_at <= now() \
+         ORDER BY priority, run_at, id LIMIT 10 FOR UPDATE SKIP LOCKED",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let plan = plan.join("\n");
+    // With an empty table the planner may prefer a seq scan; force the question.
+    sqlx::query("SET enable_seqscan = off").execute(&pool).await.unwrap();
+    let forced: Vec<String> = sqlx::query_scalar(
+        "EXPLAIN SELECT id FROM jobs WHERE state = 'available' AND run_at <= now() \
+         ORDER BY priority, run_at, id LIMIT 10 FOR UPDATE SKIP LOCKED",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let forced = forced.join("\n");
+    assert!(forced.contains("jobs_claim_idx") || plan.contains("jobs_claim_idx"), "{forced}");
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn check_constraints_hold_the_invariants(pool: PgPool) {
+    let id = enqueue(&pool, NewJob::new("t", json!({}))).await.id;
+    for bad in [
+        "UPDATE jobs SET state = 'running' WHERE id = $1",
+        "UPDATE jobs SET state = 'completed' WHERE id = $1",
+        "UPDATE jobs SET finished_at = now() WHERE id = $1",
+        "UPDATE jobs SET effect_started_at = now() WHERE id = $1",
+        "UPDATE jobs SET attempt = max_attempts + 1 WHERE id = $1",
+    ] {
+        let r = sqlx::query(bad).bind(id).execute(&pool).await;
+        assert!(r.is_err(), "accepted: {bad}");
+    }
+}
+
+/// Keeps a shared handle to the counters of a worker run in-process.
+type Stats = Arc<airlock_worker::WorkerStats>;
+
+fn settings(id: &str, poll: Duration) -> airlock_worker::WorkerSettings {
+    airlock_worker::WorkerSettings {
+        id: id.into(),
+        concurrency: 4,
+        lease: Duration::from_secs(30),
+        queues: None,
+        poll_interval: poll,
+        shutdown_grace: Duration::from_secs(5),
+        rescue_interval: Duration::from_secs(3600),
+        heartbeat_interval: Duration::from_secs(5),
+        retention: None,
+        retention_interval: Duration::from_secs(3600),
+        retention_batch: 100,
+    }
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn an_idle_worker_is_woken_by_notify_not_by_polling(pool: PgPool) {
+    airlock_tests::harness::init_logs();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<std::time::Instant>();
+    let mut registry = airlock_worker::Registry::new();
+    registry.register_fn("test.ping", move |_ctx| {
+        let tx = tx.clone();
+        async move {
+            let _ = tx.send(std::time::Instant::now());
+            Ok(airlock_worker::Outcome::Completed)
+        }
+    });
+    // The poll interval is an hour: only a notification can wake this worker in time.
+    let worker =
+        airlock_worker::Worker::new(pool.clone(), registry, settings("notify-test", Duration::from_secs(3600)));
+    let stats: Stats = worker.stats();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(worker.run(stop.clone()));
+
+    airlock_tests::harness::wait_for("the worker to LISTEN", Duration::from_secs(30), || {
+        let stats = stats.clone();
+        async move { stats.listening.load(std::sync::atomic::Ordering::SeqCst).then_some(()) }
+    })
+    .await;
+    // Let the wake-up that follows LISTEN be consumed, so the next claim is ours.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = airlock_worker::WorkerStats::get(&stats.claims_after_notify);
+
+    let enqueued_at = std::time::Instant::now();
+    enqueue(&pool, NewJob::new("test.ping", json!({}))).await;
+    let started_at = tokio::time::timeout(Duration::from_secs(60), rx.recv()).await.expect("job started").unwrap();
+    eprintln!("enqueue-to-start: {:?}", started_at - enqueued_at);
+
+    assert_eq!(airlock_worker::WorkerStats::get(&stats.claims_after_notify), before + 1, "claimed after a NOTIFY");
+    assert_eq!(airlock_worker::WorkerStats::get(&stats.claims_after_poll), 0, "no claim came from polling");
+    assert!(airlock_worker::WorkerStats::get(&stats.notify_wakeups) >= 1);
+    stop.cancel();
+    run.await.unwrap().unwrap();
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn graceful_stop_in_process_finishes_in_flight_work(pool: PgPool) {
+    let mut registry = airlock_worker::Registry::new();
+    registry.register_fn("test.slow", |_ctx| async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Ok(airlock_worker::Outcome::Completed)
+    });
+    for _ in 0..4 {
+        enqueue(&pool, NewJob::new("test.slow", json!({}))).await;
+    }
+    let worker = airlock_worker::Worker::new(pool.clone(), registry, settings("drain-test", Duration::from_millis(50)));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(worker.run(stop.clone()));
+    airlock_tests::harness::wait_for("4 running jobs", Duration::from_secs(30), || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running'").fetch_one(&pool).await.unwrap();
+            (n == 4).then_some(())
+        }
+    })
+    .await;
+    stop.cancel();
+    run.await.unwrap().unwrap();
+    let states: Vec<JobState> = sqlx::query_scalar("SELECT state FROM jobs").fetch_all(&pool).await.unwrap();
+    assert_eq!(states, vec![JobState::Completed; 4]);
+    let stopped: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT stopped_at FROM workers WHERE id = 'drain-test'").fetch_one(&pool).await.unwrap();
+    assert!(stopped.is_some());
+}

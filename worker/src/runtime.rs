@@ -1,0 +1,571 @@
+//! The worker runtime: claims jobs in batches, runs their handlers with bounded
+//! concurrency, keeps leases alive, rescues expired leases, prunes old jobs, and shuts
+//! down gracefully.
+//!
+//! Invariants:
+//! - Only as many jobs are claimed as there are free slots, so every claimed job starts
+//!   at once; none waits claimed-but-unstarted behind a busy worker.
+//! - Every write for a claimed job is fenced on its lease; a lost lease cancels the job's
+//!   handler and its result is dropped.
+//! - On shutdown: stop claiming, let in-flight jobs finish within the grace period, then
+//!   cancel the rest and release those whose effect has not started (the rescuer decides
+//!   about the others once their lease expires).
+//! - Every loop selects on its cancellation token; no bare sleep.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use airlock_core::fault;
+use airlock_core::queue::{self, ClaimFilter, Job, Lease, QueueError, RescueCounts};
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::handler::{HandlerError, JobContext, Outcome, Registry};
+
+/// What a worker needs to know beyond its handlers.
+#[derive(Debug, Clone)]
+pub struct WorkerSettings {
+    /// Identifies this process in leases and in the `workers` table.
+    pub id: String,
+    pub concurrency: usize,
+    pub lease: Duration,
+    /// `None`: claim from every queue.
+    pub queues: Option<Vec<String>>,
+    /// Fallback poll, for when a notification is missed.
+    pub poll_interval: Duration,
+    pub shutdown_grace: Duration,
+    pub rescue_interval: Duration,
+    pub heartbeat_interval: Duration,
+    /// Delete completed/cancelled jobs older than this; `None` keeps them.
+    pub retention: Option<Duration>,
+    pub retention_interval: Duration,
+    pub retention_batch: i64,
+}
+
+impl WorkerSettings {
+    pub fn from_config(cfg: &airlock_core::config::Config, id: String) -> Self {
+        let w = &cfg.worker;
+        Self {
+            id,
+            concurrency: w.concurrency,
+            lease: Duration::from_secs(w.lease_seconds),
+            queues: if w.queues.is_empty() { None } else { Some(w.queues.clone()) },
+            poll_interval: Duration::from_millis(w.poll_interval_ms),
+            shutdown_grace: Duration::from_secs(w.shutdown_grace_seconds),
+            rescue_interval: Duration::from_secs(w.rescue_interval_seconds.max(1)),
+            heartbeat_interval: Duration::from_secs(w.heartbeat_seconds.max(1)),
+            retention: match cfg.retention.completed_jobs_hours {
+                0 => None,
+                h => Some(Duration::from_secs(h * 3600)),
+            },
+            retention_interval: Duration::from_secs(cfg.retention.interval_seconds.max(1)),
+            retention_batch: cfg.retention.batch_size,
+        }
+    }
+
+    /// A fresh worker id: host, process id and a random suffix.
+    pub fn new_id() -> String {
+        format!("{}-{}-{}", hostname(), std::process::id(), &uuid::Uuid::new_v4().simple().to_string()[..8])
+    }
+}
+
+/// The host name, for the fleet view.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Counters a test or the metrics endpoint can read while the worker runs.
+#[derive(Debug, Default)]
+pub struct WorkerStats {
+    pub claimed: AtomicU64,
+    pub completed: AtomicU64,
+    pub retried: AtomicU64,
+    pub failed: AtomicU64,
+    pub parked: AtomicU64,
+    pub lease_lost: AtomicU64,
+    pub released: AtomicU64,
+    pub rescued: AtomicU64,
+    pub pruned: AtomicU64,
+    /// Wake-ups caused by a NOTIFY.
+    pub notify_wakeups: AtomicU64,
+    /// Claims that returned jobs right after a NOTIFY wake-up (not after a poll tick).
+    pub claims_after_notify: AtomicU64,
+    /// Claims that returned jobs after the poll interval elapsed.
+    pub claims_after_poll: AtomicU64,
+    /// Whether the LISTEN connection is up.
+    pub listening: std::sync::atomic::AtomicBool,
+}
+
+impl WorkerStats {
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// One in-flight job as the heartbeat loop sees it.
+struct Held {
+    lease: Lease,
+    cancel: CancellationToken,
+}
+
+type InFlight = Arc<Mutex<HashMap<uuid::Uuid, Held>>>;
+
+/// How an execution ended, for the shutdown path.
+enum Ended {
+    Finished,
+    /// The handler was cancelled before it wrote a result.
+    Abandoned(Lease),
+}
+
+pub struct Worker {
+    pool: PgPool,
+    registry: Arc<Registry>,
+    settings: WorkerSettings,
+    stats: Arc<WorkerStats>,
+}
+
+impl Worker {
+    pub fn new(pool: PgPool, registry: Registry, settings: WorkerSettings) -> Self {
+        Self { pool, registry: Arc::new(registry), settings, stats: Arc::new(WorkerStats::default()) }
+    }
+
+    pub fn stats(&self) -> Arc<WorkerStats> {
+        self.stats.clone()
+    }
+
+    pub fn id(&self) -> &str {
+        &self.settings.id
+    }
+
+    /// Runs until `shutdown` fires, then drains and returns.
+    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let s = &self.settings;
+        airlock_core::fleet::register(&self.pool, &s.id, &hostname(), s.queues.as_deref(), s.concurrency as i32)
+            .await?;
+        tracing::info!(worker.id = %s.id, concurrency = s.concurrency, "worker started");
+
+        let in_flight: InFlight = Arc::new(Mutex::new(HashMap::new()));
+        let wake = Arc::new(Notify::new());
+        // Background loops live until the drain is over (heartbeats must outlive it).
+        let background = CancellationToken::new();
+        let mut loops = JoinSet::new();
+        loops.spawn(listen_loop(self.pool.clone(), wake.clone(), self.stats.clone(), background.clone()));
+        loops.spawn(heartbeat_loop(
+            self.pool.clone(),
+            s.clone(),
+            in_flight.clone(),
+            self.stats.clone(),
+            background.clone(),
+        ));
+        loops.spawn(rescue_loop(
+            self.pool.clone(),
+            self.registry.clone(),
+            s.rescue_interval,
+            self.stats.clone(),
+            background.clone(),
+        ));
+        if let Some(age) = s.retention {
+            loops.spawn(retention_loop(
+                self.pool.clone(),
+                age,
+                s.retention_interval,
+                s.retention_batch,
+                self.stats.clone(),
+                background.clone(),
+            ));
+        }
+
+        let mut tasks: JoinSet<Ended> = JoinSet::new();
+        let mut task_leases: HashMap<tokio::task::Id, Lease> = HashMap::new();
+        let filter = ClaimFilter { queues: s.queues.clone() };
+        let mut woke_by_notify = false;
+        let mut db_backoff = Duration::from_millis(100);
+
+        while !shutdown.is_cancelled() {
+            let free = s.concurrency.saturating_sub(tasks.len());
+            let mut claimed_full = false;
+            if free > 0 {
+                match queue::claim_batch(&self.pool, &s.id, &filter, free as i64, s.lease).await {
+                    Ok(jobs) => {
+                        db_backoff = Duration::from_millis(100);
+                        if !jobs.is_empty() {
+                            bump(if woke_by_notify {
+                                &self.stats.claims_after_notify
+                            } else {
+                                &self.stats.claims_after_poll
+                            });
+                        }
+                        claimed_full = jobs.len() == free;
+                        for job in jobs {
+                            bump(&self.stats.claimed);
+                            let lease = job.lease();
+                            let cancel = CancellationToken::new();
+                            lock(&in_flight).insert(job.id, Held { lease, cancel: cancel.clone() });
+                            let handle = tasks.spawn(execute(
+                                self.pool.clone(),
+                                self.registry.clone(),
+                                job,
+                                cancel,
+                                s.lease,
+                                in_flight.clone(),
+                                self.stats.clone(),
+                            ));
+                            task_leases.insert(handle.id(), lease);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "claim failed; retrying");
+                        tokio::select! {
+                            _ = shutdown.cancelled() => break,
+                            _ = tokio::time::sleep(db_backoff) => {}
+                        }
+                        db_backoff = (db_backoff * 2).min(Duration::from_secs(5));
+                        continue;
+                    }
+                }
+            }
+            woke_by_notify = false;
+            if claimed_full && tasks.len() < s.concurrency {
+                continue;
+            }
+            let has_room = tasks.len() < s.concurrency;
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = wake.notified(), if has_room => { woke_by_notify = true; }
+                Some(done) = tasks.join_next_with_id() => {
+                    reap(done, &mut task_leases, &self.pool, &in_flight, &self.stats).await;
+                    // Fill the freed slot right away: more work is likely waiting.
+                }
+                _ = tokio::time::sleep(s.poll_interval), if has_room => {}
+            }
+        }
+
+        // Soft stop: no new claims; let in-flight jobs finish within the grace period.
+        tracing::info!(worker.id = %s.id, in_flight = tasks.len(), "stopping: draining in-flight jobs");
+        let deadline = tokio::time::Instant::now() + s.shutdown_grace;
+        while !tasks.is_empty() {
+            match tokio::time::timeout_at(deadline, tasks.join_next_with_id()).await {
+                Ok(Some(done)) => reap(done, &mut task_leases, &self.pool, &in_flight, &self.stats).await,
+                Ok(None) => break,
+                Err(_) => break,
+            }
+        }
+        // Hard stop: cancel what is left, then give back what had not started its effect.
+        if !tasks.is_empty() {
+            tracing::warn!(worker.id = %s.id, left = tasks.len(), "grace period over: cancelling jobs");
+            for held in lock(&in_flight).values() {
+                held.cancel.cancel();
+            }
+            while let Some(done) = tasks.join_next_with_id().await {
+                reap(done, &mut task_leases, &self.pool, &in_flight, &self.stats).await;
+            }
+        }
+        background.cancel();
+        while loops.join_next().await.is_some() {}
+        if let Err(e) = airlock_core::fleet::mark_stopped(&self.pool, &s.id).await {
+            tracing::warn!(error = %e, "could not mark the worker stopped");
+        }
+        tracing::info!(worker.id = %s.id, "worker stopped");
+        Ok(())
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Settles a finished task: releases an abandoned job, fails a panicked one.
+async fn reap(
+    done: Result<(tokio::task::Id, Ended), tokio::task::JoinError>,
+    task_leases: &mut HashMap<tokio::task::Id, Lease>,
+    pool: &PgPool,
+    in_flight: &InFlight,
+    stats: &WorkerStats,
+) {
+    match done {
+        Ok((id, Ended::Finished)) => {
+            task_leases.remove(&id);
+        }
+        Ok((id, Ended::Abandoned(lease))) => {
+            task_leases.remove(&id);
+            match queue::release(pool, lease).await {
+                Ok(()) => bump(&stats.released),
+                Err(QueueError::LeaseLost { .. }) => {
+                    // Lost, finished elsewhere, or its effect started: the rescuer decides.
+                }
+                Err(e) => tracing::warn!(job.id = %lease.id, error = %e, "could not release job"),
+            }
+        }
+        Err(e) => {
+            let Some(lease) = task_leases.remove(&e.id()) else { return };
+            lock(in_flight).remove(&lease.id);
+            tracing::error!(job.id = %lease.id, error = %e, "job handler panicked");
+            match queue::fail(pool, lease, "handler panicked", false, None).await {
+                Ok(_) => bump(&stats.retried),
+                Err(e) => tracing::warn!(job.id = %lease.id, error = %e, "could not fail panicked job"),
+            }
+        }
+    }
+}
+
+/// Runs one claimed job's handler and applies its outcome, fenced on the lease.
+async fn execute(
+    pool: PgPool,
+    registry: Arc<Registry>,
+    job: Job,
+    cancel: CancellationToken,
+    lease_len: Duration,
+    in_flight: InFlight,
+    stats: Arc<WorkerStats>,
+) -> Ended {
+    let lease = job.lease();
+    let span = tracing::info_span!("job", job.id = %job.id, job.kind = %job.kind, job.attempt = job.attempt);
+    let started = Instant::now();
+    let result = tokio::select! {
+        biased;
+        _ = cancel.cancelled() => None,
+        r = run_handler(&pool, &registry, &job, cancel.clone(), lease_len).instrument(span.clone()) => Some(r),
+    };
+    lock(&in_flight).remove(&job.id);
+    let Some(result) = result else {
+        return Ended::Abandoned(lease);
+    };
+    if fault::hit("job.before_complete").await.is_err() {
+        return Ended::Abandoned(lease);
+    }
+    let applied = match result {
+        Ok(Outcome::Completed) => queue::complete(&pool, lease).await.map(|_| bump(&stats.completed)),
+        Ok(Outcome::Finalized) => {
+            bump(&stats.completed);
+            Ok(())
+        }
+        Ok(Outcome::Snooze(d)) => queue::snooze(&pool, lease, d).await,
+        Ok(Outcome::Parked(reason)) => queue::park(&pool, lease, &reason).await.map(|_| bump(&stats.parked)),
+        Err(HandlerError { message, permanent, delay }) => {
+            match queue::fail(&pool, lease, &message, permanent, delay).await {
+                Ok(queue::FailOutcome::Retry) => {
+                    bump(&stats.retried);
+                    tracing::info!(parent: &span, error = %message, "job failed; will retry");
+                    Ok(())
+                }
+                Ok(queue::FailOutcome::Failed) => {
+                    bump(&stats.failed);
+                    tracing::warn!(parent: &span, error = %message, "job failed for good");
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            }
+        }
+    };
+    match applied {
+        Ok(()) => {
+            tracing::debug!(parent: &span, elapsed_ms = started.elapsed().as_millis() as u64, "job done");
+            let _ = fault::hit("job.after_complete").await;
+        }
+        Err(QueueError::LeaseLost { .. }) => {
+            bump(&stats.lease_lost);
+            tracing::warn!(parent: &span, "lease lost: result dropped");
+        }
+        Err(e) => tracing::error!(parent: &span, error = %e, "could not record job outcome"),
+    }
+    Ended::Finished
+}
+
+async fn run_handler(
+    pool: &PgPool,
+    registry: &Registry,
+    job: &Job,
+    cancel: CancellationToken,
+    lease_len: Duration,
+) -> Result<Outcome, HandlerError> {
+    fault::hit("job.after_claim").await.map_err(|e| HandlerError::retry(e.to_string()))?;
+    let Some(handler) = registry.get(&job.kind) else {
+        return Err(HandlerError::permanent(format!("no handler for job kind `{}`", job.kind)));
+    };
+    let ctx = JobContext { job: job.clone(), pool: pool.clone(), cancel, lease_len };
+    handler.run(ctx).await
+}
+
+/// LISTENs for enqueue notifications and wakes the claim loop. Reconnects by itself; after
+/// a reconnect it wakes the loop once, since notifications may have been missed.
+async fn listen_loop(pool: PgPool, wake: Arc<Notify>, stats: Arc<WorkerStats>, stop: CancellationToken) {
+    let mut backoff = Duration::from_millis(100);
+    while !stop.is_cancelled() {
+        let listener = async {
+            let mut l = PgListener::connect_with(&pool).await?;
+            l.listen(queue::NOTIFY_CHANNEL).await?;
+            Ok::<_, sqlx::Error>(l)
+        };
+        let mut listener = tokio::select! {
+            _ = stop.cancelled() => return,
+            l = listener => match l {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(error = %e, "LISTEN failed; polling until it is back");
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+            },
+        };
+        backoff = Duration::from_millis(100);
+        stats.listening.store(true, Ordering::SeqCst);
+        wake.notify_one();
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                n = listener.try_recv() => match n {
+                    Ok(Some(_)) => {
+                        bump(&stats.notify_wakeups);
+                        wake.notify_one();
+                    }
+                    // The connection was lost and re-established: notifications may be missed.
+                    Ok(None) => wake.notify_one(),
+                    Err(e) => {
+                        stats.listening.store(false, Ordering::SeqCst);
+                        tracing::warn!(error = %e, "LISTEN connection failed");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Extends the leases of in-flight jobs every lease/3 and refreshes the worker row.
+async fn heartbeat_loop(
+    pool: PgPool,
+    s: WorkerSettings,
+    in_flight: InFlight,
+    stats: Arc<WorkerStats>,
+    stop: CancellationToken,
+) {
+    let every = (s.lease / 3).min(s.heartbeat_interval).max(Duration::from_millis(200));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let leases: Vec<Lease> = lock(&in_flight).values().map(|h| h.lease).collect();
+        match queue::heartbeat_many(&pool, &leases, s.lease).await {
+            Ok(held) => {
+                let held: std::collections::HashSet<Lease> = held.into_iter().collect();
+                let map = lock(&in_flight);
+                for lease in leases.iter().filter(|l| !held.contains(l)) {
+                    if let Some(h) = map.get(&lease.id) {
+                        bump(&stats.lease_lost);
+                        tracing::warn!(job.id = %lease.id, job.attempt = lease.attempt, "lease lost: cancelling the job");
+                        h.cancel.cancel();
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "lease heartbeat failed"),
+        }
+        let n = lock(&in_flight).len() as i32;
+        if let Err(e) = airlock_core::fleet::heartbeat(&pool, &s.id, n).await {
+            tracing::warn!(error = %e, "worker heartbeat failed");
+        }
+    }
+}
+
+/// Runs the rescuer every `interval`.
+async fn rescue_loop(
+    pool: PgPool,
+    registry: Arc<Registry>,
+    interval: Duration,
+    stats: Arc<WorkerStats>,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        match rescue_once(&pool, &registry, 100).await {
+            Ok(c) => {
+                let n = (c.retried + c.failed + c.parked) as u64;
+                if n > 0 {
+                    stats.rescued.fetch_add(n, Ordering::Relaxed);
+                    tracing::info!(retried = c.retried, failed = c.failed, parked = c.parked, "rescued expired leases");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "rescuer pass failed"),
+        }
+    }
+}
+
+/// One rescuer pass: moves expired jobs and lets each kind's handler update its own rows
+/// in the same transaction. Repeats while full batches come back.
+pub async fn rescue_once(pool: &PgPool, registry: &Registry, batch: i64) -> anyhow::Result<RescueCounts> {
+    let mut total = RescueCounts::default();
+    loop {
+        let mut tx = pool.begin().await?;
+        let rescued = queue::rescue_expired(&mut tx, batch).await?;
+        for r in &rescued {
+            if let Some(h) = registry.get(&r.job.kind) {
+                h.on_rescued(&mut tx, r).await?;
+            }
+        }
+        tx.commit().await?;
+        let c = RescueCounts::of(&rescued);
+        total.retried += c.retried;
+        total.failed += c.failed;
+        total.parked += c.parked;
+        if (rescued.len() as i64) < batch {
+            return Ok(total);
+        }
+    }
+}
+
+async fn retention_loop(
+    pool: PgPool,
+    age: Duration,
+    interval: Duration,
+    batch: i64,
+    stats: Arc<WorkerStats>,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        loop {
+            match queue::prune_finished(&pool, age, batch).await {
+                Ok(n) => {
+                    stats.pruned.fetch_add(n, Ordering::Relaxed);
+                    if (n as i64) < batch || stop.is_cancelled() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "retention pass failed");
+                    break;
+                }
+            }
+        }
+    }
+}

@@ -13,12 +13,16 @@
 //! SQL lives here and nowhere else; functions take an executor so the caller decides the
 //! transaction.
 
+pub mod artifact;
 pub mod config;
 pub mod db;
+pub mod delivery;
 pub mod fault;
 pub mod fleet;
+pub mod policy;
 pub mod http;
 pub mod principals;
 pub mod queue;
+pub mod scoring;
 pub mod secret;
 pub mod telemetry;

@@ -3,3 +3,4 @@
 //! [`harness`] finds binaries and databases, spawns processes and waits with bounds.
 
 pub mod harness;
+pub mod smtp;

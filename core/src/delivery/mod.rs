@@ -1,0 +1,3 @@
+//! The delivery pipeline: persist → score → review → approve → send → receipt.
+
+pub mod state;

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use crate::secret::Secret;
 
 /// Keys whose environment values are comma-separated lists.
-const LIST_KEYS: &[&str] = &["worker.queues", "delivery.senders", "delivery.webhook_origins"];
+const LIST_KEYS: &[&str] = &["worker.queues", "delivery.senders", "delivery.webhook_origins", "delivery.known_domains"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {

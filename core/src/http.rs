@@ -231,3 +231,26 @@ pub fn shutdown_on_signals() -> std::io::Result<tokio_util::sync::CancellationTo
     });
     Ok(token)
 }
+
+impl From<crate::delivery::pipeline::PipelineError> for ApiError {
+    fn from(e: crate::delivery::pipeline::PipelineError) -> Self {
+        use crate::delivery::pipeline::PipelineError as P;
+        match e {
+            P::Validation(v) if v.too_large() => ApiError::PayloadTooLarge(v.to_string()),
+            P::Validation(v) => ApiError::Validation(v.to_string()),
+            P::Invalid(m) => ApiError::Validation(m),
+            P::NotFound(what) => ApiError::not_found(what),
+            e @ P::InvalidTransition(_) => ApiError::InvalidTransition(e.to_string()),
+            e @ P::StaleArtifact { .. } => ApiError::StaleArtifact(e.to_string()),
+            e @ P::IdempotencyConflict { .. } => ApiError::IdempotencyConflict(e.to_string()),
+            e @ P::BudgetExhausted => ApiError::BudgetExhausted(e.to_string()),
+            P::Queue(q) => ApiError::InvalidTransition(q.to_string()),
+            P::Db(e) => ApiError::Internal(e.into()),
+        }
+    }
+}
+
+/// Parses an id from a path segment.
+pub fn parse_id(s: &str) -> Result<uuid::Uuid, ApiError> {
+    uuid::Uuid::parse_str(s).map_err(|_| ApiError::Validation(format!("`{s}` is not a UUID")))
+}

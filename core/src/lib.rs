@@ -14,13 +14,15 @@
 //! transaction.
 
 pub mod artifact;
+pub mod audit;
+pub mod channels;
 pub mod config;
 pub mod db;
 pub mod delivery;
 pub mod fault;
 pub mod fleet;
-pub mod policy;
 pub mod http;
+pub mod policy;
 pub mod principals;
 pub mod queue;
 pub mod scoring;

@@ -675,3 +675,25 @@ fn truncate_error(e: &str) -> &str {
         None => e,
     }
 }
+
+/// Lists jobs newest first, optionally by state and kind, after a cursor id.
+pub async fn list(
+    db: impl PgExecutor<'_>,
+    state: Option<JobState>,
+    kind: Option<&str>,
+    before: Option<Uuid>,
+    limit: i64,
+) -> Result<Vec<Job>, QueueError> {
+    Ok(sqlx::query_as(
+        r#"SELECT * FROM jobs
+           WHERE ($1::job_state IS NULL OR state = $1) AND ($2::text IS NULL OR kind = $2)
+             AND ($3::uuid IS NULL OR id < $3)
+           ORDER BY id DESC LIMIT $4"#,
+    )
+    .bind(state)
+    .bind(kind)
+    .bind(before)
+    .bind(limit)
+    .fetch_all(db)
+    .await?)
+}

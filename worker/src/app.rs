@@ -1,25 +1,59 @@
 //! Wires the binary: configuration, pool, migrations, handlers, signals.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use airlock_core::channels::email::SmtpSender;
+use airlock_core::channels::webhook::{WebhookSender, WebhookSetupError};
 use airlock_core::config::Config;
+use airlock_core::delivery::pipeline::{SCORE_JOB, SEND_JOB};
+use airlock_core::scoring::DefaultScorer;
+use airlock_core::secret::Secret;
 use tokio_util::sync::CancellationToken;
 
+use crate::delivery::{ScoreHandler, SendHandler};
 use crate::handler::Registry;
 use crate::runtime::{Worker, WorkerSettings};
 
-/// Every handler this build knows, as configured.
-pub fn registry(cfg: &Config) -> Registry {
+/// Every handler this build knows, as configured. Refuses a configuration that could not
+/// send safely (a missing CA file, plaintext to a remote host, a missing signing secret
+/// while webhook origins are allowed).
+pub fn registry(cfg: &Arc<Config>, worker_id: &str) -> anyhow::Result<Registry> {
+    registry_with(cfg, worker_id, airlock_core::secret::from_env(&cfg.delivery.webhook_secret_env))
+}
+
+/// [`registry`] with the webhook signing secret given rather than read from the
+/// environment variable the configuration names.
+pub fn registry_with(cfg: &Arc<Config>, worker_id: &str, webhook_secret: Option<Secret>) -> anyhow::Result<Registry> {
     let mut r = Registry::new();
+    r.register(
+        SCORE_JOB,
+        ScoreHandler { config: cfg.clone(), scorer: Arc::new(DefaultScorer::new(cfg.delivery.known_domains.clone())) },
+    );
+    let smtp = SmtpSender::from_config(&cfg.smtp)?;
+    let webhook = if cfg.delivery.webhook_origins.is_empty() {
+        None
+    } else {
+        let secret =
+            webhook_secret.ok_or_else(|| WebhookSetupError::MissingSecret(cfg.delivery.webhook_secret_env.clone()))?;
+        Some(WebhookSender::new(secret, Duration::from_secs(cfg.delivery.webhook_timeout_seconds.max(1)))?)
+    };
+    r.register(
+        SEND_JOB,
+        SendHandler { config: cfg.clone(), worker_id: worker_id.to_string(), smtp: Some(smtp), webhook },
+    );
     if cfg.worker.diagnostic_jobs {
         crate::diag::register(&mut r);
     }
-    r
+    Ok(r)
 }
 
 /// Connects, migrates and runs a worker until `shutdown` fires.
 pub async fn run(cfg: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let cfg = Arc::new(cfg);
     let pool = airlock_core::db::connect(&cfg.database).await?;
     airlock_core::db::migrate(&pool).await?;
-    let registry = registry(&cfg);
     let settings = WorkerSettings::from_config(&cfg, WorkerSettings::new_id());
+    let registry = registry(&cfg, &settings.id)?;
     Worker::new(pool, registry, settings).run(shutdown).await
 }

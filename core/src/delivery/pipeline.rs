@@ -1,0 +1,730 @@
+//! The pipeline's operations, each one transaction: submit, score, review, approve,
+//! reject, resolve, cancel, the send switch, and the two transactions around a send.
+//!
+//! Invariants:
+//! - Nothing is written for a refused request (validation happens before the transaction,
+//!   and every check inside it aborts the whole transaction).
+//! - A send starts only inside transaction A, which re-checks the switch (under a share
+//!   lock), the approval's artifact hash, the sender and the transport, records the attempt
+//!   and marks the job's effect as started. Transaction B records the outcome, the receipt
+//!   and the job's end together, fenced on the lease.
+
+use std::time::Duration;
+
+use serde_json::json;
+use sqlx::{PgPool, Postgres, Transaction};
+use uuid::Uuid;
+
+use super::state::{Action, DeliveryState};
+use super::store::{self, Actor, Delivery, DeliveryError, NewReceipt};
+use crate::artifact::{Artifact, Channel, Limits, ValidationError};
+use crate::audit;
+use crate::channels::EffectOutcome;
+use crate::config::Config;
+use crate::policy;
+use crate::principals::Principal;
+use crate::queue::{self, Lease, NewJob, QueueError, RescueOutcome, Rescued};
+use crate::scoring::Scorer;
+
+/// Job kinds of the pipeline.
+pub const SCORE_JOB: &str = "delivery.score";
+pub const SEND_JOB: &str = "delivery.send";
+/// The queue of send jobs; paused while the send switch is off.
+pub const SEND_QUEUE: &str = "send";
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Validation(#[from] ValidationError),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0} not found")]
+    NotFound(&'static str),
+    #[error("{0}")]
+    InvalidTransition(String),
+    #[error("the artifact changed since it was shown: approve the current version ({current})")]
+    StaleArtifact { current: String },
+    #[error("run {run_id} step {step_id} was already submitted with a different artifact")]
+    IdempotencyConflict { run_id: Uuid, step_id: String },
+    #[error("the run's step budget is spent")]
+    BudgetExhausted,
+    #[error(transparent)]
+    Queue(QueueError),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+impl From<DeliveryError> for PipelineError {
+    fn from(e: DeliveryError) -> Self {
+        match e {
+            DeliveryError::NotFound(_) => PipelineError::NotFound("delivery"),
+            DeliveryError::InvalidTransition { .. } => PipelineError::InvalidTransition(e.to_string()),
+            DeliveryError::Db(e) => PipelineError::Db(e),
+        }
+    }
+}
+
+impl From<QueueError> for PipelineError {
+    fn from(e: QueueError) -> Self {
+        match e {
+            QueueError::Db(e) => PipelineError::Db(e),
+            other => PipelineError::Queue(other),
+        }
+    }
+}
+
+/// The size limits of artifacts, from configuration.
+pub fn limits(cfg: &Config) -> Limits {
+    Limits {
+        max_artifact_bytes: cfg.delivery.max_artifact_bytes,
+        max_recipients: cfg.delivery.max_recipients,
+        ..Limits::default()
+    }
+}
+
+/// Generous limits for reading back what was already accepted.
+fn stored_limits() -> Limits {
+    Limits { max_artifact_bytes: usize::MAX, max_recipients: usize::MAX, ..Limits::default() }
+}
+
+/// Checks an artifact against the sender and origin policy (at submission and edit time;
+/// the same checks run again at send time).
+pub fn check_policy(cfg: &Config, artifact: &Artifact) -> Result<(), PipelineError> {
+    match artifact {
+        Artifact::Email { email } => policy::check_sender(&cfg.delivery.senders, &email.from)
+            .map_err(|e| PipelineError::Invalid(format!("email.from: {e}"))),
+        Artifact::Webhook { webhook } => policy::check_webhook_url(
+            &cfg.delivery.webhook_origins,
+            &webhook.url,
+            cfg.delivery.webhook_allow_plaintext_loopback,
+        )
+        .map_err(|e| PipelineError::Invalid(format!("webhook.url: {e}"))),
+    }
+}
+
+/// What an agent submits.
+#[derive(Debug, Clone)]
+pub struct Submission {
+    pub run_id: Uuid,
+    pub step_id: String,
+    pub artifact: Artifact,
+}
+
+impl Submission {
+    /// Parses a request body: `run_id`, `step_id`, `channel` and its member; nothing else.
+    pub fn parse(body: &serde_json::Value, limits: &Limits) -> Result<Self, PipelineError> {
+        let map = body.as_object().ok_or_else(|| PipelineError::Invalid("body must be a JSON object".into()))?;
+        for k in map.keys() {
+            if !["run_id", "step_id", "channel", "email", "webhook"].contains(&k.as_str()) {
+                return Err(PipelineError::Invalid(format!("{k}: unknown field")));
+            }
+        }
+        let run_id = map
+            .get("run_id")
+            .and_then(|v| v.as_str())
+            .and_then(|s| Uuid::parse_str(s).ok())
+            .ok_or_else(|| PipelineError::Invalid("run_id: must be a UUID".into()))?;
+        let step_id = map
+            .get("step_id")
+            .and_then(|v| v.as_str())
+            .filter(|s| !s.is_empty() && s.len() <= 200 && !s.chars().any(char::is_control))
+            .ok_or_else(|| PipelineError::Invalid("step_id: must be a string of 1 to 200 characters".into()))?
+            .to_string();
+        let channel = map
+            .get("channel")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| PipelineError::Invalid("channel: must be \"email\" or \"webhook\"".into()))?;
+        let artifact = Artifact::from_parts(channel, map.get("email"), map.get("webhook"), limits)?;
+        Ok(Self { run_id, step_id, artifact })
+    }
+}
+
+/// Persists a submission: the same run and step with the same artifact returns the
+/// existing delivery (`false`); with another artifact it is a conflict. A new delivery
+/// spends one step of the run's budget and enqueues its scoring, in one transaction.
+pub async fn submit(
+    pool: &PgPool,
+    cfg: &Config,
+    agent: &str,
+    s: Submission,
+) -> Result<(Delivery, bool), PipelineError> {
+    check_policy(cfg, &s.artifact)?;
+    let sha = s.artifact.sha256_hex();
+    let mut tx = pool.begin().await?;
+    store::lock_run(&mut *tx, s.run_id, agent).await?.ok_or(PipelineError::NotFound("run"))?;
+    if let Some(existing) = store::find_by_step(&mut *tx, s.run_id, &s.step_id).await? {
+        return if existing.submitted_sha256 == sha {
+            Ok((existing, false))
+        } else {
+            Err(PipelineError::IdempotencyConflict { run_id: s.run_id, step_id: s.step_id })
+        };
+    }
+    if !store::spend_step(&mut *tx, s.run_id).await? {
+        return Err(PipelineError::BudgetExhausted);
+    }
+    let key = policy::idempotency_key(&s.run_id, &s.step_id);
+    let actor = Actor::new("agent", agent);
+    let d = store::insert_delivery(&mut tx, s.run_id, &s.step_id, agent, &s.artifact, &key, &actor).await?;
+    queue::enqueue(
+        &mut tx,
+        &NewJob::new(SCORE_JOB, json!({"delivery_id": d.id})).unique_key(format!("score:{}", d.id)).priority(50),
+    )
+    .await?;
+    tx.commit().await?;
+    tracing::info!(delivery.id = %d.id, run.id = %s.run_id, "delivery persisted");
+    Ok((d, true))
+}
+
+/// Scores a persisted delivery and routes it to review or approval; completes the job in
+/// the same transaction. A delivery already past `persisted` just completes the job.
+pub async fn score(
+    pool: &PgPool,
+    cfg: &Config,
+    scorer: &dyn Scorer,
+    lease: Lease,
+    delivery_id: Uuid,
+) -> Result<(), PipelineError> {
+    let mut tx = pool.begin().await?;
+    let d = store::lock(&mut *tx, delivery_id).await?;
+    if d.state != DeliveryState::Persisted {
+        queue::complete(&mut *tx, lease).await?;
+        tx.commit().await?;
+        return Ok(());
+    }
+    let body = store::get_artifact(&mut *tx, &d.artifact_sha256).await?.ok_or(PipelineError::NotFound("artifact"))?;
+    let artifact = Artifact::from_json(&body, &stored_limits())?;
+    let s = scorer.score(&artifact);
+    let threshold = cfg.scoring.review_threshold;
+    store::insert_score(&mut *tx, d.id, &d.artifact_sha256, s.value, &s.reasons, scorer.name(), threshold).await?;
+    let actor = Actor::system(&format!("scorer.{}", scorer.name()));
+    let scored_state =
+        store::transition(&mut tx, &d, Action::Score, &actor, None, json!({"score": s.value, "reasons": s.reasons}))
+            .await?;
+    let scored = Delivery { state: scored_state, ..d };
+    let (route, why) = if s.value < threshold {
+        (Action::RouteToReview, format!("score {} is below the review threshold {threshold}", s.value))
+    } else {
+        (Action::RouteToApproval, format!("score {} is at or above the review threshold {threshold}", s.value))
+    };
+    store::transition(&mut tx, &scored, route, &actor, Some(&why), json!({})).await?;
+    queue::complete(&mut *tx, lease).await?;
+    crate::fault::hit("score.before_commit").await.map_err(|e| PipelineError::Invalid(e.to_string()))?;
+    tx.commit().await?;
+    Ok(())
+}
+
+fn reviewer_actor(p: &Principal) -> Actor {
+    Actor::new(p.role.as_str(), p.name.clone())
+}
+
+fn require_state(d: &Delivery, allowed: &[DeliveryState], what: &str) -> Result<(), PipelineError> {
+    if allowed.contains(&d.state) {
+        Ok(())
+    } else {
+        Err(PipelineError::InvalidTransition(format!("a delivery in state {} cannot be {what}", d.state.as_str())))
+    }
+}
+
+fn non_empty(v: Option<&str>, field: &str) -> Result<String, PipelineError> {
+    match v.map(str::trim) {
+        Some(s) if !s.is_empty() && s.len() <= 2000 => Ok(s.to_string()),
+        _ => Err(PipelineError::Invalid(format!("{field}: a reason of 1 to 2000 characters is required"))),
+    }
+}
+
+fn optional_note(v: Option<&str>) -> Result<Option<String>, PipelineError> {
+    match v.map(str::trim) {
+        Some(s) if s.len() > 2000 => Err(PipelineError::Invalid("note: at most 2000 characters".into())),
+        Some("") | None => Ok(None),
+        Some(s) => Ok(Some(s.to_string())),
+    }
+}
+
+async fn audit_delivery(
+    tx: &mut Transaction<'_, Postgres>,
+    who: &Principal,
+    action: &str,
+    d: &Delivery,
+    reason: Option<&str>,
+    data: serde_json::Value,
+) -> Result<(), sqlx::Error> {
+    audit::record(tx, who, audit::Action { action, target_kind: "delivery", target_id: d.id.to_string(), reason, data })
+        .await
+}
+
+/// `in_review` → `awaiting_approval`.
+pub async fn accept(pool: &PgPool, who: &Principal, id: Uuid, note: Option<&str>) -> Result<Delivery, PipelineError> {
+    let note = optional_note(note)?;
+    let mut tx = pool.begin().await?;
+    let d = store::lock(&mut *tx, id).await?;
+    require_state(&d, &[DeliveryState::InReview], "accepted")?;
+    store::transition(&mut tx, &d, Action::Accept, &reviewer_actor(who), note.as_deref(), json!({})).await?;
+    store::insert_review(&mut *tx, id, "accept", &who.name, note.as_deref(), &d.artifact_sha256, &d.artifact_sha256)
+        .await?;
+    audit_delivery(&mut tx, who, "delivery.accept", &d, note.as_deref(), json!({})).await?;
+    let d = store::lock(&mut *tx, id).await?;
+    tx.commit().await?;
+    Ok(d)
+}
+
+/// Replaces the artifact with a reviewer's version (recorded) → `awaiting_approval`.
+pub async fn edit(
+    pool: &PgPool,
+    cfg: &Config,
+    who: &Principal,
+    id: Uuid,
+    artifact: &serde_json::Value,
+    note: Option<&str>,
+) -> Result<Delivery, PipelineError> {
+    let note = optional_note(note)?;
+    let artifact = Artifact::from_json(artifact, &limits(cfg))?;
+    check_policy(cfg, &artifact)?;
+    let mut tx = pool.begin().await?;
+    let d = store::lock(&mut *tx, id).await?;
+    require_state(&d, &[DeliveryState::InReview, DeliveryState::AwaitingApproval], "edited")?;
+    if artifact.channel() != d.channel {
+        return Err(PipelineError::Invalid(format!("artifact: the channel must stay {}", d.channel.as_str())));
+    }
+    let new_sha = store::put_artifact(&mut *tx, &artifact).await?;
+    let data = json!({"from_sha256": d.artifact_sha256, "to_sha256": new_sha});
+    store::transition(&mut tx, &d, Action::Edit, &reviewer_actor(who), note.as_deref(), data.clone()).await?;
+    store::set_artifact(&mut *tx, id, &new_sha).await?;
+    store::insert_review(&mut *tx, id, "edit", &who.name, note.as_deref(), &d.artifact_sha256, &new_sha).await?;
+    audit_delivery(&mut tx, who, "delivery.edit", &d, note.as_deref(), data).await?;
+    let d = store::lock(&mut *tx, id).await?;
+    tx.commit().await?;
+    Ok(d)
+}
+
+/// `awaiting_approval` → `approved`, bound to the artifact hash the approver saw; enqueues
+/// the send (which waits while the switch is off).
+pub async fn approve(
+    pool: &PgPool,
+    cfg: &Config,
+    who: &Principal,
+    id: Uuid,
+    artifact_sha256: &str,
+    note: Option<&str>,
+) -> Result<Delivery, PipelineError> {
+    let note = optional_note(note)?;
+    let mut tx = pool.begin().await?;
+    let d = store::lock(&mut *tx, id).await?;
+    require_state(&d, &[DeliveryState::AwaitingApproval], "approved")?;
+    if d.artifact_sha256 != artifact_sha256 {
+        return Err(PipelineError::StaleArtifact { current: d.artifact_sha256 });
+    }
+    store::insert_approval(&mut *tx, id, artifact_sha256, Some(&who.name), None, note.as_deref()).await?;
+    let data = json!({"artifact_sha256": artifact_sha256});
+    store::transition(&mut tx, &d, Action::Approve, &reviewer_actor(who), note.as_deref(), data.clone()).await?;
+    enqueue_send(&mut tx, cfg, &d).await?;
+    audit_delivery(&mut tx, who, "delivery.approve", &d, note.as_deref(), data).await?;
+    let d = store::lock(&mut *tx, id).await?;
+    tx.commit().await?;
+    Ok(d)
+}
+
+async fn enqueue_send(tx: &mut Transaction<'_, Postgres>, cfg: &Config, d: &Delivery) -> Result<(), QueueError> {
+    let job = NewJob::new(SEND_JOB, json!({"delivery_id": d.id}))
+        .queue(SEND_QUEUE)
+        .effect_class(d.effect_class)
+        .max_attempts(cfg.delivery.max_send_attempts)
+        .unique_key(send_key(d.id));
+    queue::enqueue(tx, &job).await?;
+    Ok(())
+}
+
+fn send_key(id: Uuid) -> String {
+    format!("send:{id}")
+}
+
+/// `in_review` or `awaiting_approval` → `rejected`.
+pub async fn reject(pool: &PgPool, who: &Principal, id: Uuid, reason: Option<&str>) -> Result<Delivery, PipelineError> {
+    let reason = non_empty(reason, "reason")?;
+    let mut tx = pool.begin().await?;
+    let d = store::lock(&mut *tx, id).await?;
+    require_state(&d, &[DeliveryState::InReview, DeliveryState::AwaitingApproval], "rejected")?;
+    store::transition(&mut tx, &d, Action::Reject, &reviewer_actor(who), Some(&reason), json!({})).await?;
+    store::insert_review(&mut *tx, id, "reject", &who.name, Some(&reason), &d.artifact_sha256, &d.artifact_sha256)
+        .await?;
+    audit_delivery(&mut tx, who, "delivery.reject", &d, Some(&reason), json!({})).await?;
+    let d = store::lock(&mut *tx, id).await?;
+    tx.commit().await?;
+    Ok(d)
+}
+
+/// How a human settles a parked delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resolution {
+    /// The human checked (e.g. by Message-ID at the relay) that it went out: `sent`, with a
+    /// receipt attested by them.
+    ConfirmedSent,
+    /// The human authorises a possible duplicate: back to `approved`, sent again.
+    Resend,
+    Cancel,
+}
+
+impl Resolution {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "confirmed_sent" => Some(Resolution::ConfirmedSent),
+            "resend" => Some(Resolution::Resend),
+            "cancel" => Some(Resolution::Cancel),
+            _ => None,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Resolution::ConfirmedSent => "confirmed_sent",
+            Resolution::Resend => "resend",
+            Resolution::Cancel => "cancel",
+        }
+    }
+}
+
+/// The live send job of a delivery, if any.
+async fn send_job(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+) -> Result<Option<(Uuid, queue::JobState)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, state FROM jobs WHERE unique_key = $1 AND state IN ('available', 'running', 'parked') LIMIT 1",
+    )
+    .bind(send_key(id))
+    .fetch_optional(&mut **tx)
+    .await
+}
+
+/// Settles a `parked` delivery.
+pub async fn resolve(
+    pool: &PgPool,
+    cfg: &Config,
+    who: &Principal,
+    id: Uuid,
+    resolution: Resolution,
+    note: Option<&str>,
+) -> Result<Delivery, PipelineError> {
+    let note = non_empty(note, "note")?;
+    let mut tx = pool.begin().await?;
+    let d = store::lock(&mut *tx, id).await?;
+    require_state(&d, &[DeliveryState::Parked], "resolved")?;
+    let job = send_job(&mut tx, id).await?;
+    let actor = reviewer_actor(who);
+    let data = json!({"resolution": resolution.as_str()});
+    match resolution {
+        Resolution::ConfirmedSent => {
+            let attempts = store::attempts(&mut *tx, id).await?;
+            let last = attempts.last();
+            let message_id = match d.channel {
+                Channel::Email => {
+                    let body = store::get_artifact(&mut *tx, &d.artifact_sha256).await?;
+                    match body.map(|b| Artifact::from_json(&b, &stored_limits())).transpose()? {
+                        Some(Artifact::Email { email }) => Some(policy::message_id(&d.idempotency_key, &email.from)),
+                        _ => None,
+                    }
+                }
+                Channel::Webhook => None,
+            };
+            store::insert_receipt(
+                &mut *tx,
+                &NewReceipt {
+                    delivery_id: id,
+                    attempt_id: last.map(|a| a.id),
+                    channel: d.channel,
+                    message_id: message_id.as_deref(),
+                    provider_response: Some(&format!("confirmed by {}: {note}", who.name)),
+                    payload_sha256: &d.artifact_sha256,
+                    attempt: last.map_or(0, |a| a.lease_attempt),
+                    worker: last.map(|a| a.worker.as_str()),
+                    attested_by: Some(&who.name),
+                },
+            )
+            .await?;
+            store::transition(&mut tx, &d, Action::ResolveConfirmedSent, &actor, Some(&note), data.clone()).await?;
+            if let Some((job_id, _)) = job {
+                settle_parked_job(&mut tx, job_id, "completed", &note).await?;
+            }
+        }
+        Resolution::Resend => {
+            store::transition(&mut tx, &d, Action::ResolveResend, &actor, Some(&note), data.clone()).await?;
+            match job {
+                Some((job_id, queue::JobState::Parked)) => queue::retry_now(&mut *tx, job_id).await?,
+                Some(_) => {}
+                None => enqueue_send(&mut tx, cfg, &d).await?,
+            }
+        }
+        Resolution::Cancel => {
+            store::transition(&mut tx, &d, Action::ResolveCancel, &actor, Some(&note), data.clone()).await?;
+            if let Some((job_id, _)) = job {
+                settle_parked_job(&mut tx, job_id, "cancelled", &note).await?;
+            }
+        }
+    }
+    audit_delivery(&mut tx, who, "delivery.resolve", &d, Some(&note), data).await?;
+    let d = store::lock(&mut *tx, id).await?;
+    tx.commit().await?;
+    Ok(d)
+}
+
+/// Ends a parked job by a human's decision.
+async fn settle_parked_job(
+    tx: &mut Transaction<'_, Postgres>,
+    job_id: Uuid,
+    state: &str,
+    note: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        r#"UPDATE jobs SET state = $2::job_state, finished_at = now(), effect_started_at = NULL, last_error = $3
+           WHERE id = $1 AND state = 'parked'"#,
+    )
+    .bind(job_id)
+    .bind(state)
+    .bind(format!("settled by a human: {note}"))
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Cancels a delivery that has not started sending (by its agent or an operator).
+pub async fn cancel(
+    pool: &PgPool,
+    actor: &Actor,
+    who: Option<&Principal>,
+    id: Uuid,
+    reason: Option<&str>,
+) -> Result<Delivery, PipelineError> {
+    let reason = non_empty(reason, "reason")?;
+    let mut tx = pool.begin().await?;
+    let d = store::lock(&mut *tx, id).await?;
+    if !d.state.can_cancel() {
+        return Err(PipelineError::InvalidTransition(format!(
+            "a delivery in state {} cannot be cancelled",
+            d.state.as_str()
+        )));
+    }
+    store::transition(&mut tx, &d, Action::Cancel, actor, Some(&reason), json!({})).await?;
+    if let Some((job_id, queue::JobState::Available)) = send_job(&mut tx, id).await? {
+        queue::cancel(&mut *tx, job_id, "delivery cancelled").await?;
+    }
+    if let Some(p) = who {
+        audit_delivery(&mut tx, p, "delivery.cancel", &d, Some(&reason), json!({})).await?;
+    }
+    let d = store::lock(&mut *tx, id).await?;
+    tx.commit().await?;
+    Ok(d)
+}
+
+/// Flips the global send switch (audited). Off pauses the send queue in the same
+/// transaction; a send whose transaction A has not committed yet will see the flip.
+pub async fn set_send_enabled(
+    pool: &PgPool,
+    who: &Principal,
+    enabled: bool,
+    reason: Option<&str>,
+) -> Result<store::SendSwitch, PipelineError> {
+    let reason = non_empty(reason, "reason")?;
+    let mut tx = pool.begin().await?;
+    let s = store::set_send_switch(&mut *tx, enabled, &who.name, &reason).await?;
+    if enabled {
+        queue::resume_queue(&mut *tx, SEND_QUEUE).await?;
+    } else {
+        queue::pause_queue(&mut *tx, SEND_QUEUE, "send switch off").await?;
+    }
+    audit::record(
+        &mut tx,
+        who,
+        audit::Action {
+            action: "send_switch.set",
+            target_kind: "settings",
+            target_id: "send_enabled".into(),
+            reason: Some(&reason),
+            data: json!({"enabled": enabled}),
+        },
+    )
+    .await?;
+    tx.commit().await?;
+    tracing::warn!(enabled, by = %who.name, "send switch flipped");
+    Ok(s)
+}
+
+/// What transaction A decided.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // made once per send and moved once; boxing buys nothing
+pub enum SendStart {
+    /// The attempt is committed; perform the effect.
+    Started { delivery: Delivery, artifact: Artifact, attempt_id: Uuid },
+    /// The switch is off: nothing started; the job should wait.
+    SwitchOff,
+    /// Nothing to send (the delivery was cancelled, or already settled); the job is done.
+    Nothing,
+    /// Refused by policy at send time; the delivery failed and the job is done.
+    Refused(String),
+}
+
+/// Transaction A of a send.
+pub async fn begin_send(
+    pool: &PgPool,
+    cfg: &Config,
+    lease: Lease,
+    worker: &str,
+    delivery_id: Uuid,
+) -> Result<SendStart, PipelineError> {
+    let mut tx = pool.begin().await?;
+    if !store::send_enabled_locked(&mut *tx).await? {
+        return Ok(SendStart::SwitchOff);
+    }
+    let d = store::lock(&mut *tx, delivery_id).await?;
+    let actor = Actor::new("worker", worker);
+    if d.state != DeliveryState::Approved {
+        queue::complete(&mut *tx, lease).await?;
+        tx.commit().await?;
+        return Ok(SendStart::Nothing);
+    }
+    let approved = store::approved_sha(&mut *tx, d.id).await?;
+    let body = store::get_artifact(&mut *tx, &d.artifact_sha256).await?.ok_or(PipelineError::NotFound("artifact"))?;
+    let artifact = Artifact::from_json(&body, &stored_limits())?;
+    let refusal = if approved.as_deref() != Some(d.artifact_sha256.as_str()) {
+        Some("no approval matches the current artifact".to_string())
+    } else {
+        check_policy(cfg, &artifact).err().map(|e| e.to_string())
+    };
+    if let Some(why) = refusal {
+        queue::fail(&mut *tx, lease, &why, true, None).await?;
+        store::transition(&mut tx, &d, Action::FailPermanent, &actor, Some(&why), json!({})).await?;
+        tx.commit().await?;
+        tracing::warn!(delivery.id = %d.id, reason = %why, "send refused at send time");
+        return Ok(SendStart::Refused(why));
+    }
+    let attempt_id = store::insert_attempt(&mut *tx, d.id, lease.id, lease.attempt, worker, &d.artifact_sha256).await?;
+    queue::mark_effect_started(&mut *tx, lease).await?;
+    let state = store::transition(
+        &mut tx,
+        &d,
+        Action::StartSend,
+        &actor,
+        None,
+        json!({"attempt_id": attempt_id, "job_attempt": lease.attempt}),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(SendStart::Started { delivery: Delivery { state, ..d }, artifact, attempt_id })
+}
+
+/// Transaction B of a send: the attempt's outcome, the receipt and the job's end,
+/// together. Fenced on the lease: a holder that lost it changes nothing.
+pub async fn record_outcome(
+    pool: &PgPool,
+    lease: Lease,
+    worker: &str,
+    d: &Delivery,
+    attempt_id: Uuid,
+    outcome: &EffectOutcome,
+) -> Result<DeliveryState, PipelineError> {
+    let mut tx = pool.begin().await?;
+    let cur = store::lock(&mut *tx, d.id).await?;
+    let actor = Actor::new("worker", worker);
+    let detail = outcome.detail();
+    let (action, reason): (Action, Option<String>) = match outcome {
+        EffectOutcome::Sent { message_id, response } => {
+            queue::complete(&mut *tx, lease).await?;
+            store::insert_receipt(
+                &mut *tx,
+                &NewReceipt {
+                    delivery_id: d.id,
+                    attempt_id: Some(attempt_id),
+                    channel: d.channel,
+                    message_id: message_id.as_deref(),
+                    provider_response: Some(response),
+                    payload_sha256: &d.artifact_sha256,
+                    attempt: lease.attempt,
+                    worker: Some(worker),
+                    attested_by: None,
+                },
+            )
+            .await?;
+            (Action::ConfirmSent, None)
+        }
+        EffectOutcome::NotDelivered { detail, retry_after } => {
+            match queue::fail(&mut *tx, lease, detail, false, *retry_after).await? {
+                queue::FailOutcome::Retry => (Action::RetryLater, Some(format!("not delivered, will retry: {detail}"))),
+                queue::FailOutcome::Failed => {
+                    (Action::FailPermanent, Some(format!("not delivered, attempts exhausted: {detail}")))
+                }
+            }
+        }
+        EffectOutcome::Permanent { detail } => {
+            queue::fail(&mut *tx, lease, detail, true, None).await?;
+            (Action::FailPermanent, Some(format!("refused for good: {detail}")))
+        }
+        EffectOutcome::Ambiguous { detail } => {
+            queue::park(&mut *tx, lease, detail).await?;
+            (Action::Park, Some(format!("may or may not have been delivered: {detail}")))
+        }
+    };
+    store::finish_attempt(&mut *tx, attempt_id, outcome.label(), Some(detail)).await?;
+    let state =
+        store::transition(&mut tx, &cur, action, &actor, reason.as_deref(), json!({"attempt_id": attempt_id})).await?;
+    tx.commit().await?;
+    Ok(state)
+}
+
+/// Runs [`record_outcome`] until it is recorded, the lease is lost, or `give_up` fires.
+/// The outcome is held in memory meanwhile: a send without a receipt is never reported
+/// as sent.
+pub async fn record_outcome_until_done(
+    pool: &PgPool,
+    lease: Lease,
+    worker: &str,
+    d: &Delivery,
+    attempt_id: Uuid,
+    outcome: &EffectOutcome,
+    give_up: &tokio_util::sync::CancellationToken,
+) -> Result<DeliveryState, PipelineError> {
+    let mut wait = Duration::from_millis(100);
+    loop {
+        match record_outcome(pool, lease, worker, d, attempt_id, outcome).await {
+            Ok(s) => return Ok(s),
+            Err(PipelineError::Db(e)) => {
+                tracing::warn!(delivery.id = %d.id, error = %e, outcome = outcome.label(), "recording the outcome failed; retrying");
+            }
+            Err(other) => return Err(other),
+        }
+        tokio::select! {
+            _ = give_up.cancelled() => return Err(PipelineError::Invalid("gave up recording the outcome".into())),
+            _ = tokio::time::sleep(wait) => {}
+        }
+        wait = (wait * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// Keeps a delivery in step with its send job after the rescuer moved the job (its holder
+/// died or stalled): a started email is parked, a started webhook goes back to approved
+/// (it is resent with the same key), an exhausted job fails the delivery.
+pub async fn on_send_rescued(tx: &mut Transaction<'_, Postgres>, r: &Rescued) -> Result<(), PipelineError> {
+    let Some(id) = r.job.payload.get("delivery_id").and_then(|v| v.as_str()).and_then(|s| Uuid::parse_str(s).ok())
+    else {
+        return Ok(());
+    };
+    let d = store::lock(&mut **tx, id).await?;
+    let actor = Actor::system("rescuer");
+    if r.effect_started {
+        store::finish_open_attempts_of_job(&mut **tx, r.job.id, "lease_expired").await?;
+    }
+    let action = match (d.state, r.outcome) {
+        (DeliveryState::Sending, RescueOutcome::Parked) => {
+            Some((Action::Park, "the worker vanished after the send started; a human must decide"))
+        }
+        (DeliveryState::Sending, RescueOutcome::Retried) => Some((
+            Action::Requeue,
+            "the worker vanished after the send started; resending with the same idempotency key",
+        )),
+        (DeliveryState::Sending, RescueOutcome::Failed) | (DeliveryState::Approved, RescueOutcome::Failed) => {
+            Some((Action::FailPermanent, "send attempts exhausted"))
+        }
+        _ => None,
+    };
+    if let Some((action, why)) = action {
+        store::transition(tx, &d, action, &actor, Some(why), json!({"job_id": r.job.id, "job_attempt": r.job.attempt}))
+            .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,677 @@
+//! SQL for runs, deliveries and everything hanging off them.
+//!
+//! Every state change goes through [`transition`]: a guarded `UPDATE … WHERE state =
+//! expected` plus one hash-chained event row, in the caller's transaction. The legal
+//! moves come from [`super::state::next`], nowhere else.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use sqlx::{FromRow, PgExecutor, Postgres, Transaction};
+use uuid::Uuid;
+
+use super::state::{Action, DeliveryState, next};
+use crate::artifact::{Artifact, Channel};
+use crate::queue::EffectClass;
+
+/// Who made a change: an agent, a human principal, a worker, or the system itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Actor {
+    pub kind: &'static str,
+    pub id: String,
+}
+
+impl Actor {
+    pub fn new(kind: &'static str, id: impl Into<String>) -> Self {
+        Self { kind, id: id.into() }
+    }
+    pub fn system(what: &str) -> Self {
+        Self::new("system", what)
+    }
+    /// `kind:id`, as events and receipts show it.
+    pub fn label(&self) -> String {
+        format!("{}:{}", self.kind, self.id)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DeliveryError {
+    #[error("delivery {0} not found")]
+    NotFound(Uuid),
+    #[error("a delivery in state {from} cannot be {action}")]
+    InvalidTransition { from: &'static str, action: &'static str },
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+#[derive(Debug, Clone, FromRow, Serialize)]
+pub struct Delivery {
+    pub id: Uuid,
+    pub run_id: Uuid,
+    pub step_id: String,
+    pub agent: String,
+    pub channel: Channel,
+    pub state: DeliveryState,
+    pub version: i32,
+    pub idempotency_key: String,
+    pub artifact_sha256: String,
+    pub submitted_sha256: String,
+    pub effect_class: EffectClass,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, FromRow, Serialize)]
+pub struct Event {
+    pub seq: i32,
+    #[serde(rename = "from")]
+    pub from_state: Option<DeliveryState>,
+    #[serde(rename = "to")]
+    pub to_state: DeliveryState,
+    pub actor: String,
+    pub reason: Option<String>,
+    pub data: serde_json::Value,
+    pub at: DateTime<Utc>,
+    #[serde(skip)]
+    pub prev_hash: Option<String>,
+    #[serde(skip)]
+    pub hash: String,
+}
+
+#[derive(Debug, Clone, FromRow)]
+pub struct Run {
+    pub id: Uuid,
+    pub agent: String,
+    pub inputs: serde_json::Value,
+    pub state: String,
+    pub max_steps: i64,
+    pub max_tokens: i64,
+    pub max_cost_micros: i64,
+    pub used_steps: i64,
+    pub used_tokens: i64,
+    pub used_cost_micros: i64,
+    pub created_at: DateTime<Utc>,
+}
+
+const RUN_COLUMNS: &str = "id, agent, inputs, state::text AS state, max_steps, max_tokens, max_cost_micros, \
+                           used_steps, used_tokens, used_cost_micros, created_at";
+
+pub async fn insert_run(
+    db: impl PgExecutor<'_>,
+    agent: &str,
+    inputs: &serde_json::Value,
+    limits: (i64, i64, i64),
+) -> Result<Run, sqlx::Error> {
+    sqlx::query_as(
+        r#"INSERT INTO runs (id, agent, inputs, max_steps, max_tokens, max_cost_micros)
+           VALUES ($1, $2, $3, $4, $5, $6)
+           RETURNING id, agent, inputs, state::text AS state, max_steps, max_tokens, max_cost_micros,
+                     used_steps, used_tokens, used_cost_micros, created_at"#,
+    )
+    .bind(Uuid::now_v7())
+    .bind(agent)
+    .bind(inputs)
+    .bind(limits.0)
+    .bind(limits.1)
+    .bind(limits.2)
+    .fetch_one(db)
+    .await
+}
+
+/// A run, if it exists and belongs to `agent`.
+pub async fn get_run(db: impl PgExecutor<'_>, id: Uuid, agent: &str) -> Result<Option<Run>, sqlx::Error> {
+    let _ = RUN_COLUMNS;
+    sqlx::query_as(
+        r#"SELECT id, agent, inputs, state::text AS state, max_steps, max_tokens, max_cost_micros,
+                  used_steps, used_tokens, used_cost_micros, created_at
+           FROM runs WHERE id = $1 AND agent = $2"#,
+    )
+    .bind(id)
+    .bind(agent)
+    .fetch_optional(db)
+    .await
+}
+
+/// Locks a run for the rest of the transaction (serialises submissions to one run).
+pub async fn lock_run(db: impl PgExecutor<'_>, id: Uuid, agent: &str) -> Result<Option<Run>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT id, agent, inputs, state::text AS state, max_steps, max_tokens, max_cost_micros,
+                  used_steps, used_tokens, used_cost_micros, created_at
+           FROM runs WHERE id = $1 AND agent = $2 FOR UPDATE"#,
+    )
+    .bind(id)
+    .bind(agent)
+    .fetch_optional(db)
+    .await
+}
+
+/// Spends one step of a locked run's budget; false when none is left (nothing written).
+pub async fn spend_step(db: impl PgExecutor<'_>, run_id: Uuid) -> Result<bool, sqlx::Error> {
+    let r = sqlx::query(
+        r#"UPDATE runs SET used_steps = used_steps + 1, updated_at = now(),
+               state = CASE WHEN max_steps <> 0 AND used_steps + 1 >= max_steps THEN 'budget_exhausted'::run_state ELSE state END
+           WHERE id = $1 AND (max_steps = 0 OR used_steps < max_steps)"#,
+    )
+    .bind(run_id)
+    .execute(db)
+    .await?;
+    Ok(r.rows_affected() == 1)
+}
+
+/// Stores an artifact (a no-op when the same content is stored already).
+pub async fn put_artifact(db: impl PgExecutor<'_>, artifact: &Artifact) -> Result<String, sqlx::Error> {
+    let sha = artifact.sha256_hex();
+    let bytes = artifact.canonical_bytes();
+    sqlx::query("INSERT INTO artifacts (sha256, body, size_bytes) VALUES ($1, $2, $3) ON CONFLICT (sha256) DO NOTHING")
+        .bind(&sha)
+        .bind(artifact.to_json())
+        .bind(bytes.len() as i32)
+        .execute(db)
+        .await?;
+    Ok(sha)
+}
+
+pub async fn get_artifact(db: impl PgExecutor<'_>, sha: &str) -> Result<Option<serde_json::Value>, sqlx::Error> {
+    sqlx::query_scalar("SELECT body FROM artifacts WHERE sha256 = $1").bind(sha).fetch_optional(db).await
+}
+
+/// The delivery for a run's step, if any.
+pub async fn find_by_step(
+    db: impl PgExecutor<'_>,
+    run_id: Uuid,
+    step_id: &str,
+) -> Result<Option<Delivery>, sqlx::Error> {
+    sqlx::query_as("SELECT * FROM deliveries WHERE run_id = $1 AND step_id = $2")
+        .bind(run_id)
+        .bind(step_id)
+        .fetch_optional(db)
+        .await
+}
+
+/// Inserts a delivery in `persisted` with its first event.
+pub async fn insert_delivery(
+    tx: &mut Transaction<'_, Postgres>,
+    run_id: Uuid,
+    step_id: &str,
+    agent: &str,
+    artifact: &Artifact,
+    idempotency_key: &str,
+    actor: &Actor,
+) -> Result<Delivery, sqlx::Error> {
+    let sha = put_artifact(&mut **tx, artifact).await?;
+    let class = match artifact.channel() {
+        Channel::Email => EffectClass::NonRepeatable,
+        Channel::Webhook => EffectClass::Idempotent,
+    };
+    let d: Delivery = sqlx::query_as(
+        r#"INSERT INTO deliveries (id, run_id, step_id, agent, channel, idempotency_key, artifact_sha256,
+                                   submitted_sha256, effect_class)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8) RETURNING *"#,
+    )
+    .bind(Uuid::now_v7())
+    .bind(run_id)
+    .bind(step_id)
+    .bind(agent)
+    .bind(artifact.channel())
+    .bind(idempotency_key)
+    .bind(&sha)
+    .bind(class)
+    .fetch_one(&mut **tx)
+    .await?;
+    append_event(
+        tx,
+        d.id,
+        None,
+        DeliveryState::Persisted,
+        actor,
+        Some("submitted"),
+        serde_json::json!({"artifact_sha256": sha}),
+    )
+    .await?;
+    Ok(d)
+}
+
+pub async fn get(db: impl PgExecutor<'_>, id: Uuid) -> Result<Option<Delivery>, sqlx::Error> {
+    sqlx::query_as("SELECT * FROM deliveries WHERE id = $1").bind(id).fetch_optional(db).await
+}
+
+/// Reads a delivery and locks it for the rest of the transaction.
+pub async fn lock(db: impl PgExecutor<'_>, id: Uuid) -> Result<Delivery, DeliveryError> {
+    sqlx::query_as("SELECT * FROM deliveries WHERE id = $1 FOR UPDATE")
+        .bind(id)
+        .fetch_optional(db)
+        .await?
+        .ok_or(DeliveryError::NotFound(id))
+}
+
+/// Moves a delivery by `action` from the state it was read in, and appends the event.
+/// Refuses an illegal move, and a delivery that changed since it was read.
+pub async fn transition(
+    tx: &mut Transaction<'_, Postgres>,
+    d: &Delivery,
+    action: Action,
+    actor: &Actor,
+    reason: Option<&str>,
+    data: serde_json::Value,
+) -> Result<DeliveryState, DeliveryError> {
+    let invalid = || DeliveryError::InvalidTransition { from: d.state.as_str(), action: action.as_str() };
+    let to = next(d.state, action).ok_or_else(invalid)?;
+    let r = sqlx::query(
+        r#"UPDATE deliveries SET state = $3, version = version + 1, updated_at = now()
+           WHERE id = $1 AND state = $2"#,
+    )
+    .bind(d.id)
+    .bind(d.state)
+    .bind(to)
+    .execute(&mut **tx)
+    .await?;
+    if r.rows_affected() == 0 {
+        return Err(invalid());
+    }
+    append_event(tx, d.id, Some(d.state), to, actor, reason, data).await?;
+    Ok(to)
+}
+
+/// What an event's hash covers.
+pub struct EventContent<'a> {
+    pub delivery_id: Uuid,
+    pub seq: i32,
+    pub from: Option<DeliveryState>,
+    pub to: DeliveryState,
+    pub actor: &'a str,
+    pub reason: Option<&'a str>,
+    pub data: &'a serde_json::Value,
+}
+
+/// The hash of one event: sha256 over the previous hash and the event's content.
+pub fn event_hash(prev: Option<&str>, e: &EventContent<'_>) -> String {
+    let content = serde_json::json!({
+        "prev": prev, "delivery": e.delivery_id, "seq": e.seq,
+        "from": e.from.map(|s| s.as_str()), "to": e.to.as_str(),
+        "actor": e.actor, "reason": e.reason, "data": e.data,
+    });
+    hex::encode(Sha256::digest(content.to_string().as_bytes()))
+}
+
+async fn append_event(
+    tx: &mut Transaction<'_, Postgres>,
+    delivery_id: Uuid,
+    from: Option<DeliveryState>,
+    to: DeliveryState,
+    actor: &Actor,
+    reason: Option<&str>,
+    data: serde_json::Value,
+) -> Result<(), sqlx::Error> {
+    let last: Option<(i32, String)> =
+        sqlx::query_as("SELECT seq, hash FROM delivery_events WHERE delivery_id = $1 ORDER BY seq DESC LIMIT 1")
+            .bind(delivery_id)
+            .fetch_optional(&mut **tx)
+            .await?;
+    let seq = last.as_ref().map_or(1, |(s, _)| s + 1);
+    let prev = last.map(|(_, h)| h);
+    let actor = actor.label();
+    let content = EventContent { delivery_id, seq, from, to, actor: &actor, reason, data: &data };
+    let hash = event_hash(prev.as_deref(), &content);
+    sqlx::query(
+        r#"INSERT INTO delivery_events (delivery_id, seq, from_state, to_state, actor, reason, data, prev_hash, hash)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"#,
+    )
+    .bind(delivery_id)
+    .bind(seq)
+    .bind(from)
+    .bind(to)
+    .bind(actor)
+    .bind(reason)
+    .bind(data)
+    .bind(prev)
+    .bind(hash)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+pub async fn events(db: impl PgExecutor<'_>, id: Uuid) -> Result<Vec<Event>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT seq, from_state, to_state, actor, reason, data, at, prev_hash, hash
+           FROM delivery_events WHERE delivery_id = $1 ORDER BY seq"#,
+    )
+    .bind(id)
+    .fetch_all(db)
+    .await
+}
+
+/// Recomputes a delivery's event chain; returns the first seq that does not verify.
+pub fn verify_chain(delivery_id: Uuid, events: &[Event]) -> Option<i32> {
+    let mut prev: Option<&str> = None;
+    for e in events {
+        let content = EventContent {
+            delivery_id,
+            seq: e.seq,
+            from: e.from_state,
+            to: e.to_state,
+            actor: &e.actor,
+            reason: e.reason.as_deref(),
+            data: &e.data,
+        };
+        let expect = event_hash(prev, &content);
+        if e.prev_hash.as_deref() != prev || e.hash != expect {
+            return Some(e.seq);
+        }
+        prev = Some(&e.hash);
+    }
+    None
+}
+
+/// Lists deliveries oldest first, optionally in one state, after a cursor `(created_at, id)`.
+pub async fn list(
+    db: impl PgExecutor<'_>,
+    state: Option<DeliveryState>,
+    after: Option<(DateTime<Utc>, Uuid)>,
+    limit: i64,
+) -> Result<Vec<Delivery>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT * FROM deliveries
+           WHERE ($1::delivery_state IS NULL OR state = $1)
+             AND ($2::timestamptz IS NULL OR (created_at, id) > ($2, $3))
+           ORDER BY created_at, id LIMIT $4"#,
+    )
+    .bind(state)
+    .bind(after.map(|a| a.0))
+    .bind(after.map(|a| a.1))
+    .bind(limit)
+    .fetch_all(db)
+    .await
+}
+
+#[derive(Debug, Clone, FromRow, Serialize)]
+pub struct ScoreRow {
+    pub value: f64,
+    pub reasons: serde_json::Value,
+    pub scorer: String,
+    pub threshold: f64,
+    pub artifact_sha256: String,
+    pub created_at: DateTime<Utc>,
+}
+
+pub async fn insert_score(
+    db: impl PgExecutor<'_>,
+    delivery_id: Uuid,
+    artifact_sha256: &str,
+    value: f64,
+    reasons: &[String],
+    scorer: &str,
+    threshold: f64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        r#"INSERT INTO scores (id, delivery_id, artifact_sha256, value, reasons, scorer, threshold)
+           VALUES ($1, $2, $3, $4, $5, $6, $7)"#,
+    )
+    .bind(Uuid::now_v7())
+    .bind(delivery_id)
+    .bind(artifact_sha256)
+    .bind(value)
+    .bind(serde_json::json!(reasons))
+    .bind(scorer)
+    .bind(threshold)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+pub async fn latest_score(db: impl PgExecutor<'_>, delivery_id: Uuid) -> Result<Option<ScoreRow>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT value, reasons, scorer, threshold, artifact_sha256, created_at FROM scores
+           WHERE delivery_id = $1 ORDER BY created_at DESC, id DESC LIMIT 1"#,
+    )
+    .bind(delivery_id)
+    .fetch_optional(db)
+    .await
+}
+
+pub async fn insert_review(
+    db: impl PgExecutor<'_>,
+    delivery_id: Uuid,
+    action: &str,
+    reviewer: &str,
+    note: Option<&str>,
+    from_sha: &str,
+    to_sha: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        r#"INSERT INTO reviews (id, delivery_id, action, reviewer, note, from_sha256, to_sha256)
+           VALUES ($1, $2, $3, $4, $5, $6, $7)"#,
+    )
+    .bind(Uuid::now_v7())
+    .bind(delivery_id)
+    .bind(action)
+    .bind(reviewer)
+    .bind(note)
+    .bind(from_sha)
+    .bind(to_sha)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// Points a delivery at a new artifact version (a reviewer's edit).
+pub async fn set_artifact(db: impl PgExecutor<'_>, delivery_id: Uuid, sha: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE deliveries SET artifact_sha256 = $2, updated_at = now() WHERE id = $1")
+        .bind(delivery_id)
+        .bind(sha)
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+pub async fn insert_approval(
+    db: impl PgExecutor<'_>,
+    delivery_id: Uuid,
+    artifact_sha256: &str,
+    approver: Option<&str>,
+    grant_id: Option<Uuid>,
+    note: Option<&str>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        r#"INSERT INTO approvals (id, delivery_id, artifact_sha256, approver, grant_id, note)
+           VALUES ($1, $2, $3, $4, $5, $6)"#,
+    )
+    .bind(Uuid::now_v7())
+    .bind(delivery_id)
+    .bind(artifact_sha256)
+    .bind(approver)
+    .bind(grant_id)
+    .bind(note)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// The artifact hash of the latest approval, if any.
+pub async fn approved_sha(db: impl PgExecutor<'_>, delivery_id: Uuid) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT artifact_sha256 FROM approvals WHERE delivery_id = $1 ORDER BY created_at DESC, id DESC LIMIT 1",
+    )
+    .bind(delivery_id)
+    .fetch_optional(db)
+    .await
+}
+
+/// Records that an attempt starts (outcome unknown) and returns its id.
+pub async fn insert_attempt(
+    db: impl PgExecutor<'_>,
+    delivery_id: Uuid,
+    job_id: Uuid,
+    lease_attempt: i32,
+    worker: &str,
+    artifact_sha256: &str,
+) -> Result<Uuid, sqlx::Error> {
+    let id = Uuid::now_v7();
+    sqlx::query(
+        r#"INSERT INTO send_attempts (id, delivery_id, job_id, lease_attempt, worker, artifact_sha256)
+           VALUES ($1, $2, $3, $4, $5, $6)"#,
+    )
+    .bind(id)
+    .bind(delivery_id)
+    .bind(job_id)
+    .bind(lease_attempt)
+    .bind(worker)
+    .bind(artifact_sha256)
+    .execute(db)
+    .await?;
+    Ok(id)
+}
+
+/// Sets the outcome of an attempt that has none yet.
+pub async fn finish_attempt(
+    db: impl PgExecutor<'_>,
+    attempt_id: Uuid,
+    outcome: &str,
+    detail: Option<&str>,
+) -> Result<bool, sqlx::Error> {
+    let r = sqlx::query(
+        r#"UPDATE send_attempts SET outcome = $2, detail = $3, finished_at = now()
+           WHERE id = $1 AND outcome IS NULL"#,
+    )
+    .bind(attempt_id)
+    .bind(outcome)
+    .bind(detail)
+    .execute(db)
+    .await?;
+    Ok(r.rows_affected() == 1)
+}
+
+/// Closes every open attempt of a job (the rescuer, after its holder vanished).
+pub async fn finish_open_attempts_of_job(
+    db: impl PgExecutor<'_>,
+    job_id: Uuid,
+    outcome: &str,
+) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query(
+        r#"UPDATE send_attempts SET outcome = $2, detail = 'the worker lost its lease before recording an outcome',
+               finished_at = now()
+           WHERE job_id = $1 AND outcome IS NULL"#,
+    )
+    .bind(job_id)
+    .bind(outcome)
+    .execute(db)
+    .await?;
+    Ok(r.rows_affected())
+}
+
+#[derive(Debug, Clone, FromRow, Serialize)]
+pub struct Attempt {
+    pub id: Uuid,
+    pub job_id: Uuid,
+    pub lease_attempt: i32,
+    pub worker: String,
+    pub artifact_sha256: String,
+    pub started_at: DateTime<Utc>,
+    pub outcome: Option<String>,
+    pub detail: Option<String>,
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+pub async fn attempts(db: impl PgExecutor<'_>, delivery_id: Uuid) -> Result<Vec<Attempt>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT id, job_id, lease_attempt, worker, artifact_sha256, started_at, outcome, detail, finished_at
+           FROM send_attempts WHERE delivery_id = $1 ORDER BY started_at, id"#,
+    )
+    .bind(delivery_id)
+    .fetch_all(db)
+    .await
+}
+
+#[derive(Debug, Clone, FromRow, Serialize)]
+pub struct Receipt {
+    pub channel: Channel,
+    pub message_id: Option<String>,
+    pub provider_response: Option<String>,
+    pub payload_sha256: String,
+    pub sent_at: DateTime<Utc>,
+    pub attempt: i32,
+    pub worker: Option<String>,
+    pub attested_by: Option<String>,
+}
+
+/// What a receipt records.
+#[derive(Debug, Clone)]
+pub struct NewReceipt<'a> {
+    pub delivery_id: Uuid,
+    pub attempt_id: Option<Uuid>,
+    pub channel: Channel,
+    pub message_id: Option<&'a str>,
+    pub provider_response: Option<&'a str>,
+    pub payload_sha256: &'a str,
+    pub attempt: i32,
+    pub worker: Option<&'a str>,
+    pub attested_by: Option<&'a str>,
+}
+
+pub async fn insert_receipt(db: impl PgExecutor<'_>, r: &NewReceipt<'_>) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        r#"INSERT INTO receipts (id, delivery_id, attempt_id, channel, message_id, provider_response,
+                                 payload_sha256, attempt, worker, attested_by)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"#,
+    )
+    .bind(Uuid::now_v7())
+    .bind(r.delivery_id)
+    .bind(r.attempt_id)
+    .bind(r.channel)
+    .bind(r.message_id)
+    .bind(r.provider_response)
+    .bind(r.payload_sha256)
+    .bind(r.attempt)
+    .bind(r.worker)
+    .bind(r.attested_by)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+pub async fn receipt(db: impl PgExecutor<'_>, delivery_id: Uuid) -> Result<Option<Receipt>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT channel, message_id, provider_response, payload_sha256, sent_at, attempt, worker, attested_by
+           FROM receipts WHERE delivery_id = $1"#,
+    )
+    .bind(delivery_id)
+    .fetch_optional(db)
+    .await
+}
+
+/// The global send switch.
+#[derive(Debug, Clone, FromRow, Serialize)]
+pub struct SendSwitch {
+    pub enabled: bool,
+    pub updated_by: String,
+    pub updated_at: DateTime<Utc>,
+    pub reason: String,
+}
+
+pub async fn send_switch(db: impl PgExecutor<'_>) -> Result<SendSwitch, sqlx::Error> {
+    sqlx::query_as("SELECT send_enabled AS enabled, updated_by, updated_at, reason FROM settings WHERE id = 1")
+        .fetch_one(db)
+        .await
+}
+
+/// Reads the switch with a share lock: a flip waits for this transaction, and this
+/// transaction sees any flip committed before it.
+pub async fn send_enabled_locked(db: impl PgExecutor<'_>) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT send_enabled FROM settings WHERE id = 1 FOR SHARE").fetch_one(db).await
+}
+
+pub async fn set_send_switch(
+    db: impl PgExecutor<'_>,
+    enabled: bool,
+    by: &str,
+    reason: &str,
+) -> Result<SendSwitch, sqlx::Error> {
+    sqlx::query_as(
+        r#"UPDATE settings SET send_enabled = $1, updated_by = $2, reason = $3, updated_at = now() WHERE id = 1
+           RETURNING send_enabled AS enabled, updated_by, updated_at, reason"#,
+    )
+    .bind(enabled)
+    .bind(by)
+    .bind(reason)
+    .fetch_one(db)
+    .await
+}

@@ -1,0 +1,39 @@
+//! A local SMTP sink for development (`scripts/dev`): STARTTLS with a throwaway CA, every
+//! accepted message written to a folder as `<n>.eml`. Not for production.
+//!
+//! Usage: `airlock-dev-smtp PORT DIR` — writes `DIR/ca.pem` (point `smtp.ca_file` at it)
+//! and `DIR/mail/*.eml`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use airlock_tests::smtp::{SmtpOptions, SmtpServer, TestCa};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let port: u16 = args.next().unwrap_or_else(|| "2525".into()).parse()?;
+    let dir = PathBuf::from(args.next().unwrap_or_else(|| ".dev/smtp".into()));
+    std::fs::create_dir_all(dir.join("mail"))?;
+    let ca = Arc::new(TestCa::new()?);
+    let ca_file = ca.write_ca_file(&dir)?;
+    let server = SmtpServer::start_on(SocketAddr::from(([127, 0, 0, 1], port)), SmtpOptions::starttls(ca)).await?;
+    eprintln!(
+        "dev SMTP sink on {} (STARTTLS, CA {}), mail in {}",
+        server.addr(),
+        ca_file.display(),
+        dir.join("mail").display()
+    );
+    let mut written = 0;
+    loop {
+        let all = server.wait_for(written + 1, Duration::from_secs(3600)).await;
+        for m in all.iter().skip(written) {
+            written += 1;
+            let path = dir.join("mail").join(format!("{written:05}.eml"));
+            std::fs::write(&path, &m.data)?;
+            eprintln!("received {} for {:?} -> {}", m.message_id.as_deref().unwrap_or("?"), m.rcpt_to, path.display());
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! The delivery pipeline's job kinds: `delivery.score` and `delivery.send`.
+//!
+//! A send runs transaction A (attempt committed, effect marked started), performs the
+//! effect with no transaction open, then transaction B (outcome, receipt, job end). A fault
+//! point that errors between them leaves the job as a crash would: held until its lease
+//! expires, then settled by the rescuer.
+
+use std::sync::Arc;
+
+use airlock_core::artifact::Artifact;
+use airlock_core::channels::EffectOutcome;
+use airlock_core::channels::email::{SmtpSender, build_message};
+use airlock_core::channels::webhook::WebhookSender;
+use airlock_core::config::Config;
+use airlock_core::delivery::pipeline::{self, PipelineError, SendStart};
+use airlock_core::fault;
+use airlock_core::policy;
+use airlock_core::queue::Rescued;
+use airlock_core::scoring::Scorer;
+use sqlx::{Postgres, Transaction};
+use uuid::Uuid;
+
+use crate::handler::{BoxFuture, Handler, HandlerError, JobContext, Outcome};
+
+fn delivery_id(ctx: &JobContext) -> Result<Uuid, HandlerError> {
+    ctx.job
+        .payload
+        .get("delivery_id")
+        .and_then(|v| v.as_str())
+        .and_then(|s| Uuid::parse_str(s).ok())
+        .ok_or_else(|| HandlerError::permanent("payload has no delivery_id"))
+}
+
+fn retry(e: PipelineError) -> HandlerError {
+    match e {
+        PipelineError::Db(_) => HandlerError::retry(e.to_string()),
+        other => HandlerError::permanent(other.to_string()),
+    }
+}
+
+/// Scores persisted deliveries.
+pub struct ScoreHandler {
+    pub config: Arc<Config>,
+    pub scorer: Arc<dyn Scorer>,
+}
+
+impl Handler for ScoreHandler {
+    fn run(&self, ctx: JobContext) -> BoxFuture<'static, Result<Outcome, HandlerError>> {
+        let config = self.config.clone();
+        let scorer = self.scorer.clone();
+        Box::pin(async move {
+            let id = delivery_id(&ctx)?;
+            match pipeline::score(&ctx.pool, &config, scorer.as_ref(), ctx.lease(), id).await {
+                Ok(()) => Ok(Outcome::Finalized),
+                Err(PipelineError::Queue(e)) => Err(HandlerError::retry(e.to_string())),
+                Err(e) => Err(retry(e)),
+            }
+        })
+    }
+}
+
+/// Sends approved deliveries.
+pub struct SendHandler {
+    pub config: Arc<Config>,
+    pub worker_id: String,
+    pub smtp: Option<SmtpSender>,
+    pub webhook: Option<WebhookSender>,
+}
+
+impl Handler for SendHandler {
+    fn run(&self, ctx: JobContext) -> BoxFuture<'static, Result<Outcome, HandlerError>> {
+        let config = self.config.clone();
+        let worker = self.worker_id.clone();
+        let smtp = self.smtp.clone();
+        let webhook = self.webhook.clone();
+        Box::pin(async move {
+            let id = delivery_id(&ctx)?;
+            let lease = ctx.lease();
+            let (d, artifact, attempt_id) = match pipeline::begin_send(&ctx.pool, &config, lease, &worker, id).await {
+                Ok(SendStart::Started { delivery, artifact, attempt_id }) => (delivery, artifact, attempt_id),
+                // Waits in the paused queue until the switch is on again.
+                Ok(SendStart::SwitchOff) => return Ok(Outcome::Snooze(std::time::Duration::from_secs(1))),
+                Ok(SendStart::Nothing) | Ok(SendStart::Refused(_)) => return Ok(Outcome::Finalized),
+                Err(PipelineError::Queue(e)) => return Err(HandlerError::retry(e.to_string())),
+                Err(e) => return Err(retry(e)),
+            };
+            if fault::hit("send.after_attempt_commit").await.is_err() {
+                return Ok(Outcome::Finalized);
+            }
+            let outcome = match &artifact {
+                Artifact::Email { email } => {
+                    let message_id = policy::message_id(&d.idempotency_key, &email.from);
+                    match (smtp, build_message(email, &message_id)) {
+                        (Some(smtp), Ok((envelope, bytes))) => match smtp.send(&envelope, &bytes).await {
+                            EffectOutcome::Sent { response, .. } => {
+                                EffectOutcome::Sent { message_id: Some(message_id), response }
+                            }
+                            other => other,
+                        },
+                        (None, _) => {
+                            EffectOutcome::NotDelivered { detail: "no SMTP relay configured".into(), retry_after: None }
+                        }
+                        (_, Err(e)) => EffectOutcome::Permanent { detail: e.to_string() },
+                    }
+                }
+                Artifact::Webhook { webhook: hook } => match webhook {
+                    Some(w) => w.send(hook, &d.idempotency_key).await,
+                    None => EffectOutcome::NotDelivered {
+                        detail: "no webhook signing secret configured".into(),
+                        retry_after: None,
+                    },
+                },
+            };
+            tracing::info!(delivery.id = %d.id, outcome = outcome.label(), detail = outcome.detail(), "send attempted");
+            if fault::hit("send.after_effect").await.is_err() {
+                return Ok(Outcome::Finalized);
+            }
+            match pipeline::record_outcome_until_done(&ctx.pool, lease, &worker, &d, attempt_id, &outcome, &ctx.cancel)
+                .await
+            {
+                Ok(state) => tracing::info!(delivery.id = %d.id, state = state.as_str(), "send recorded"),
+                Err(e) => {
+                    // The lease is gone: the rescuer has settled (or will settle) the delivery.
+                    tracing::error!(delivery.id = %d.id, error = %e, outcome = outcome.label(), "send outcome not recorded");
+                }
+            }
+            let _ = fault::hit("send.after_receipt_commit").await;
+            Ok(Outcome::Finalized)
+        })
+    }
+
+    fn on_rescued<'a>(
+        &'a self,
+        tx: &'a mut Transaction<'static, Postgres>,
+        rescued: &'a Rescued,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            match pipeline::on_send_rescued(tx, rescued).await {
+                Ok(()) => Ok(()),
+                Err(PipelineError::Db(e)) => Err(e),
+                Err(e) => {
+                    tracing::error!(job.id = %rescued.job.id, error = %e, "could not settle a rescued send");
+                    Ok(())
+                }
+            }
+        })
+    }
+}

@@ -25,6 +25,17 @@ pub enum Command {
         #[command(subcommand)]
         command: TokenCommand,
     },
+    /// The audit log.
+    Audit {
+        #[command(subcommand)]
+        command: AuditCommand,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum AuditCommand {
+    /// Recompute the hash chain; prints `ok`, or the first broken entry and exits 1.
+    Verify,
 }
 
 #[derive(Subcommand)]
@@ -41,6 +52,39 @@ pub enum TokenCommand {
         #[arg(long)]
         agent: Option<String>,
     },
+    /// List principals (names, roles, agents, revocation; never tokens).
+    List,
+    /// Revoke a principal's token at once.
+    Revoke {
+        /// The principal's name.
+        name: String,
+        /// Why (recorded in the audit log).
+        #[arg(long, default_value = "revoked from the command line")]
+        reason: String,
+    },
+}
+
+/// Who acts from the command line: the operating-system user, as the audit log shows it.
+fn cli_actor() -> String {
+    format!("cli:{}", std::env::var("USER").ok().filter(|u| !u.is_empty()).unwrap_or_else(|| "unknown".into()))
+}
+
+async fn audit_cli(
+    pool: &sqlx::PgPool,
+    action: &str,
+    target: &str,
+    reason: Option<&str>,
+    data: serde_json::Value,
+) -> anyhow::Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+    let mut tx = pool.begin().await?;
+    airlock_core::audit::record_as(
+        &mut tx,
+        &cli_actor(),
+        "admin",
+        airlock_core::audit::Action { action, target_kind: "principal", target_id: target.to_string(), reason, data },
+    )
+    .await?;
+    Ok(tx)
 }
 
 /// Runs a parsed command.
@@ -56,11 +100,55 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Token { command: TokenCommand::Create { role, name, agent } } => {
             let role = Role::parse(&role)
                 .ok_or_else(|| anyhow::anyhow!("--role must be one of agent, reviewer, operator, admin"))?;
-            let (p, token) = principals::create(&pool, &name, role, agent.as_deref()).await?;
+            let mut tx = audit_cli(
+                &pool,
+                "token.create",
+                &name,
+                None,
+                serde_json::json!({"role": role.as_str(), "agent": agent}),
+            )
+            .await?;
+            let (p, token) = principals::create(&mut *tx, &name, role, agent.as_deref()).await?;
+            tx.commit().await?;
             tracing::info!(principal.id = %p.id, principal.name = %p.name, role = role.as_str(), "principal created");
             println!("{}", token.expose());
             Ok(())
         }
+        Command::Token { command: TokenCommand::List } => {
+            println!("{:<32} {:<9} {:<24} {:<25} revoked", "name", "role", "agent", "created");
+            for p in principals::list(&pool).await? {
+                println!(
+                    "{:<32} {:<9} {:<24} {:<25} {}",
+                    p.name,
+                    p.role.as_str(),
+                    p.agent_id.as_deref().unwrap_or("-"),
+                    p.created_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                    p.revoked_at
+                        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
+                        .unwrap_or_else(|| "-".into())
+                );
+            }
+            Ok(())
+        }
+        Command::Token { command: TokenCommand::Revoke { name, reason } } => {
+            let mut tx = audit_cli(&pool, "token.revoke", &name, Some(&reason), serde_json::json!({})).await?;
+            if !principals::revoke(&mut *tx, &name, &cli_actor()).await? {
+                anyhow::bail!("no live principal named `{name}`");
+            }
+            tx.commit().await?;
+            println!("revoked {name}");
+            Ok(())
+        }
+        Command::Audit { command: AuditCommand::Verify } => match airlock_core::audit::verify(&pool).await? {
+            None => {
+                println!("ok");
+                Ok(())
+            }
+            Some(id) => {
+                println!("broken: audit entry {id} does not match the chain");
+                std::process::exit(1);
+            }
+        },
         Command::Serve => {
             let listener = tokio::net::TcpListener::bind(cfg.admin.listen).await?;
             tracing::info!(listen = %listener.local_addr()?, "admin listening");

@@ -4,4 +4,5 @@
 //! HTTP router, so tests can start it in-process.
 
 pub mod cli;
+pub mod page;
 pub mod server;

@@ -9,16 +9,19 @@ use airlock_core::delivery::pipeline::{self, Resolution};
 use airlock_core::delivery::state::DeliveryState;
 use airlock_core::delivery::store::{self, Actor};
 use airlock_core::delivery::view;
-use airlock_core::http::{ApiError, Auth, JsonBody, Page, parse_id};
+use airlock_core::grants;
+use airlock_core::http::{Access, ApiError, Auth, BearerAuth, JsonBody, Page, RouteRule, parse_id};
 use airlock_core::principals::Role;
 use airlock_core::queue::JobState;
-use axum::extract::{DefaultBodyLimit, FromRef, Path, Query, State};
-use axum::routing::{get, post};
+use axum::extract::{FromRef, Path, Query, State};
 use axum::{Json, Router};
 use base64::Engine;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sqlx::PgPool;
+use utoipa::{IntoParams, OpenApi, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 /// What every admin handler can reach.
 #[derive(Clone, FromRef)]
@@ -27,28 +30,81 @@ pub struct AppState {
     pub config: Arc<Config>,
 }
 
+/// Who may call each route of this service: the one authorization table, enforced by
+/// [`airlock_core::http::authorize`] before any handler runs.
+pub const ROUTES: &[RouteRule] = &[
+    RouteRule { method: "GET", path: "/admin/v1/deliveries", access: REVIEWER },
+    RouteRule { method: "POST", path: "/admin/v1/deliveries/approve", access: REVIEWER },
+    RouteRule { method: "GET", path: "/admin/v1/deliveries/{id}", access: REVIEWER },
+    RouteRule { method: "POST", path: "/admin/v1/deliveries/{id}/accept", access: REVIEWER },
+    RouteRule { method: "POST", path: "/admin/v1/deliveries/{id}/edit", access: REVIEWER },
+    RouteRule { method: "POST", path: "/admin/v1/deliveries/{id}/approve", access: REVIEWER },
+    RouteRule { method: "POST", path: "/admin/v1/deliveries/{id}/reject", access: REVIEWER },
+    RouteRule { method: "POST", path: "/admin/v1/deliveries/{id}/resolve", access: REVIEWER },
+    RouteRule { method: "POST", path: "/admin/v1/deliveries/{id}/cancel", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/send-enabled", access: REVIEWER },
+    RouteRule { method: "PUT", path: "/admin/v1/send-enabled", access: OPERATOR },
+    RouteRule { method: "POST", path: "/admin/v1/grants", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/grants", access: OPERATOR },
+    RouteRule { method: "DELETE", path: "/admin/v1/grants/{id}", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/audit", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/jobs", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/workers", access: OPERATOR },
+    RouteRule { method: "GET", path: "/", access: Access::Public },
+    RouteRule { method: "GET", path: "/app.js", access: Access::Public },
+    RouteRule { method: "GET", path: "/app.css", access: Access::Public },
+    RouteRule { method: "GET", path: "/healthz", access: Access::Public },
+    RouteRule { method: "GET", path: "/readyz", access: Access::Public },
+    RouteRule { method: "GET", path: "/openapi.json", access: Access::Public },
+];
+
+const REVIEWER: Access = Access::AtLeast(Role::Reviewer);
+const OPERATOR: Access = Access::AtLeast(Role::Operator);
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "airlock admin API", description = "Review, approval, the send switch, grants, audit, jobs and workers."),
+    modifiers(&BearerAuth),
+    security(("bearer" = []))
+)]
+struct ApiDoc;
+
+/// The routes with their OpenAPI description.
+pub fn documented_routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(list_deliveries))
+        .routes(routes!(approve_batch))
+        .routes(routes!(get_delivery))
+        .routes(routes!(accept))
+        .routes(routes!(edit))
+        .routes(routes!(approve))
+        .routes(routes!(reject))
+        .routes(routes!(resolve))
+        .routes(routes!(cancel))
+        .routes(routes!(get_send_enabled, put_send_enabled))
+        .routes(routes!(create_grant, list_grants))
+        .routes(routes!(revoke_grant))
+        .routes(routes!(list_audit))
+        .routes(routes!(list_jobs))
+        .routes(routes!(list_workers))
+        .routes(routes!(crate::page::index))
+        .routes(routes!(crate::page::script))
+        .routes(routes!(crate::page::style))
+}
+
+/// The OpenAPI document of this service.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    airlock_core::http::assemble(documented_routes()).split_for_parts().1
+}
+
 /// The whole admin router.
 pub fn router(state: AppState) -> Router {
     let body_limit = state.config.delivery.max_artifact_bytes + 64 * 1024;
-    Router::new()
-        .route("/admin/v1/deliveries", get(list_deliveries))
-        .route("/admin/v1/deliveries/{id}", get(get_delivery))
-        .route("/admin/v1/deliveries/{id}/accept", post(accept))
-        .route("/admin/v1/deliveries/{id}/edit", post(edit))
-        .route("/admin/v1/deliveries/{id}/approve", post(approve))
-        .route("/admin/v1/deliveries/{id}/reject", post(reject))
-        .route("/admin/v1/deliveries/{id}/resolve", post(resolve))
-        .route("/admin/v1/deliveries/{id}/cancel", post(cancel))
-        .route("/admin/v1/send-enabled", get(get_send_enabled).put(put_send_enabled))
-        .route("/admin/v1/audit", get(list_audit))
-        .route("/admin/v1/jobs", get(list_jobs))
-        .route("/admin/v1/workers", get(list_workers))
-        .layer(DefaultBodyLimit::max(body_limit))
-        .merge(airlock_core::http::health_routes())
-        .with_state(state)
+    let (router, _) = airlock_core::http::finish(documented_routes(), state.pool.clone(), ROUTES, body_limit);
+    router.with_state(state)
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 struct ListQuery {
     state: Option<String>,
@@ -72,6 +128,7 @@ fn decode_cursor(c: &str) -> Result<String, ApiError> {
         .ok_or_else(|| ApiError::Validation("cursor: not a cursor this service issued".into()))
 }
 
+#[utoipa::path(get, path = "/admin/v1/deliveries", params(ListQuery), responses((status = 200, description = "deliveries, oldest first")))]
 async fn list_deliveries(
     State(pool): State<PgPool>,
     auth: Auth,
@@ -110,6 +167,7 @@ async fn list_deliveries(
     Ok(Json(Page { items: rows.iter().map(view::summary).collect(), next }))
 }
 
+#[utoipa::path(get, path = "/admin/v1/deliveries/{id}", params(("id" = String, Path, description = "delivery id")), responses((status = 200, description = "everything, artifact included"), (status = 404)))]
 async fn get_delivery(State(pool): State<PgPool>, auth: Auth, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     auth.require(Role::Reviewer)?;
     let d = store::get(&pool, parse_id(&id)?).await?.ok_or_else(|| ApiError::not_found("delivery"))?;
@@ -120,12 +178,13 @@ async fn full(pool: &PgPool, d: &store::Delivery) -> Result<Json<Value>, ApiErro
     Ok(Json(view::render(pool, d, true).await?))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct NoteBody {
     note: Option<String>,
 }
 
+#[utoipa::path(post, path = "/admin/v1/deliveries/{id}/accept", params(("id" = String, Path, description = "delivery id")), request_body = NoteBody, responses((status = 200, description = "awaiting approval"), (status = 409)))]
 async fn accept(
     State(pool): State<PgPool>,
     auth: Auth,
@@ -137,13 +196,15 @@ async fn accept(
     full(&pool, &d).await
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct EditBody {
+    #[schema(value_type = Object)]
     artifact: Value,
     note: Option<String>,
 }
 
+#[utoipa::path(post, path = "/admin/v1/deliveries/{id}/edit", params(("id" = String, Path, description = "delivery id")), request_body = EditBody, responses((status = 200, description = "a new artifact version, awaiting approval"), (status = 400), (status = 409)))]
 async fn edit(
     State(state): State<AppState>,
     auth: Auth,
@@ -156,13 +217,14 @@ async fn edit(
     full(&state.pool, &d).await
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct ApproveBody {
     artifact_sha256: String,
     note: Option<String>,
 }
 
+#[utoipa::path(post, path = "/admin/v1/deliveries/{id}/approve", params(("id" = String, Path, description = "delivery id")), request_body = ApproveBody, responses((status = 200, description = "approved"), (status = 409, description = "STALE_ARTIFACT or INVALID_TRANSITION")))]
 async fn approve(
     State(state): State<AppState>,
     auth: Auth,
@@ -176,12 +238,13 @@ async fn approve(
     full(&state.pool, &d).await
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct ReasonBody {
     reason: Option<String>,
 }
 
+#[utoipa::path(post, path = "/admin/v1/deliveries/{id}/reject", params(("id" = String, Path, description = "delivery id")), request_body = ReasonBody, responses((status = 200, description = "rejected"), (status = 409)))]
 async fn reject(
     State(pool): State<PgPool>,
     auth: Auth,
@@ -193,6 +256,7 @@ async fn reject(
     full(&pool, &d).await
 }
 
+#[utoipa::path(post, path = "/admin/v1/deliveries/{id}/cancel", params(("id" = String, Path, description = "delivery id")), request_body = ReasonBody, responses((status = 200, description = "cancelled"), (status = 409)))]
 async fn cancel(
     State(pool): State<PgPool>,
     auth: Auth,
@@ -205,13 +269,14 @@ async fn cancel(
     full(&pool, &d).await
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct ResolveBody {
     resolution: String,
     note: Option<String>,
 }
 
+#[utoipa::path(post, path = "/admin/v1/deliveries/{id}/resolve", params(("id" = String, Path, description = "delivery id")), request_body = ResolveBody, responses((status = 200, description = "settled"), (status = 409)))]
 async fn resolve(
     State(state): State<AppState>,
     auth: Auth,
@@ -227,18 +292,20 @@ async fn resolve(
     full(&state.pool, &d).await
 }
 
+#[utoipa::path(get, path = "/admin/v1/send-enabled", responses((status = 200, description = "the global send switch")))]
 async fn get_send_enabled(State(pool): State<PgPool>, auth: Auth) -> Result<Json<store::SendSwitch>, ApiError> {
     auth.require(Role::Reviewer)?;
     Ok(Json(store::send_switch(&pool).await?))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct SwitchBody {
     enabled: bool,
     reason: Option<String>,
 }
 
+#[utoipa::path(put, path = "/admin/v1/send-enabled", request_body = SwitchBody, responses((status = 200, description = "flipped (audited)"), (status = 400)))]
 async fn put_send_enabled(
     State(pool): State<PgPool>,
     auth: Auth,
@@ -248,13 +315,14 @@ async fn put_send_enabled(
     Ok(Json(pipeline::set_send_enabled(&pool, who, body.enabled, body.reason.as_deref()).await?))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 struct AuditQuery {
     limit: Option<i64>,
     cursor: Option<String>,
 }
 
+#[utoipa::path(get, path = "/admin/v1/audit", params(AuditQuery), responses((status = 200, description = "the audit log, newest first")))]
 async fn list_audit(
     State(pool): State<PgPool>,
     auth: Auth,
@@ -275,7 +343,7 @@ async fn list_audit(
     Ok(Json(Page { items: rows, next }))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 struct JobsQuery {
     state: Option<String>,
@@ -284,6 +352,7 @@ struct JobsQuery {
     cursor: Option<String>,
 }
 
+#[utoipa::path(get, path = "/admin/v1/jobs", params(JobsQuery), responses((status = 200, description = "jobs and counts by kind and state")))]
 async fn list_jobs(
     State(pool): State<PgPool>,
     auth: Auth,
@@ -309,8 +378,116 @@ async fn list_jobs(
     Ok(Json(json!({"items": rows, "next": next, "counts": counts})))
 }
 
+#[utoipa::path(get, path = "/admin/v1/workers", responses((status = 200, description = "the fleet")))]
 async fn list_workers(State(pool): State<PgPool>, auth: Auth) -> Result<Json<Value>, ApiError> {
     auth.require(Role::Operator)?;
     let rows = airlock_core::fleet::list(&pool).await?;
     Ok(Json(json!({"items": rows, "next": null})))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct BatchItem {
+    id: String,
+    artifact_sha256: String,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct BatchBody {
+    items: Vec<BatchItem>,
+    note: Option<String>,
+}
+
+/// Approves several deliveries at once, each bound to the hash its approver saw: all or
+/// nothing.
+#[utoipa::path(post, path = "/admin/v1/deliveries/approve", request_body = BatchBody,
+    responses((status = 200, description = "all approved"), (status = 400), (status = 409, description = "none approved")))]
+async fn approve_batch(
+    State(state): State<AppState>,
+    auth: Auth,
+    JsonBody(body): JsonBody<BatchBody>,
+) -> Result<Json<Value>, ApiError> {
+    let who = auth.require(Role::Reviewer)?;
+    let items = body
+        .items
+        .iter()
+        .map(|i| Ok((parse_id(&i.id)?, i.artifact_sha256.clone())))
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let done = pipeline::approve_batch(&state.pool, &state.config, who, &items, body.note.as_deref()).await?;
+    Ok(Json(json!({"items": done.iter().map(view::summary).collect::<Vec<_>>(), "next": null})))
+}
+
+/// Creates a standing grant (audited).
+#[utoipa::path(post, path = "/admin/v1/grants", request_body(content = Object, description = "channel, agent_ids, recipient_domains or webhook_origins, min_score, expires_at, max_uses, reason"),
+    responses((status = 201, description = "the grant"), (status = 400)))]
+async fn create_grant(
+    State(pool): State<PgPool>,
+    auth: Auth,
+    JsonBody(body): JsonBody<grants::NewGrant>,
+) -> Result<(axum::http::StatusCode, Json<grants::Grant>), ApiError> {
+    let who = auth.require(Role::Operator)?;
+    let mut tx = pool.begin().await?;
+    let g = grants::create(&mut tx, who, &body).await.map_err(grant_error)?;
+    tx.commit().await?;
+    Ok((axum::http::StatusCode::CREATED, Json(g)))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+struct GrantsQuery {
+    limit: Option<i64>,
+    cursor: Option<String>,
+}
+
+/// Grants, newest first.
+#[utoipa::path(get, path = "/admin/v1/grants", params(GrantsQuery), responses((status = 200, description = "grants")))]
+async fn list_grants(
+    State(pool): State<PgPool>,
+    auth: Auth,
+    Query(q): Query<GrantsQuery>,
+) -> Result<Json<Page<grants::Grant>>, ApiError> {
+    auth.require(Role::Operator)?;
+    let limit = page_limit(q.limit)?;
+    let before = match &q.cursor {
+        None => None,
+        Some(c) => Some(parse_id(&decode_cursor(c)?)?),
+    };
+    let mut rows = grants::list(&pool, before, limit + 1).await?;
+    let more = rows.len() as i64 > limit;
+    rows.truncate(limit as usize);
+    let next = if more { rows.last().map(|g| encode_cursor(&g.id.to_string())) } else { None };
+    Ok(Json(Page { items: rows, next }))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+struct RevokeQuery {
+    reason: Option<String>,
+}
+
+/// Revokes a grant at once (audited).
+#[utoipa::path(delete, path = "/admin/v1/grants/{id}", params(("id" = String, Path, description = "grant id"), RevokeQuery),
+    responses((status = 200, description = "revoked"), (status = 404), (status = 409, description = "already revoked")))]
+async fn revoke_grant(
+    State(pool): State<PgPool>,
+    auth: Auth,
+    Path(id): Path<String>,
+    Query(q): Query<RevokeQuery>,
+) -> Result<Json<grants::Grant>, ApiError> {
+    let who = auth.require(Role::Operator)?;
+    let reason = q.reason.as_deref().map(str::trim).filter(|r| !r.is_empty()).unwrap_or("revoked");
+    let mut tx = pool.begin().await?;
+    let g = grants::revoke(&mut tx, who, parse_id(&id)?, reason).await.map_err(grant_error)?;
+    tx.commit().await?;
+    Ok(Json(g))
+}
+
+fn grant_error(e: grants::GrantError) -> ApiError {
+    match e {
+        grants::GrantError::Invalid(m) => ApiError::Validation(m),
+        grants::GrantError::NotFound => ApiError::not_found("grant"),
+        e @ grants::GrantError::AlreadyRevoked => ApiError::InvalidTransition(e.to_string()),
+        grants::GrantError::Db(e) => ApiError::Internal(e.into()),
+    }
 }

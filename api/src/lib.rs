@@ -10,14 +10,17 @@ use airlock_core::config::Config;
 use airlock_core::delivery::pipeline::{self, Submission};
 use airlock_core::delivery::store::{self, Actor, Run};
 use airlock_core::delivery::view;
-use airlock_core::http::{ApiError, Auth, JsonBody, parse_id};
-use axum::extract::{DefaultBodyLimit, FromRef, Path, State};
+use airlock_core::http::{Access, ApiError, Auth, BearerAuth, JsonBody, RouteRule, parse_id};
+use axum::extract::{FromRef, Path, State};
 use axum::http::StatusCode;
-use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sqlx::PgPool;
+use utoipa::OpenApi;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 /// What every agent-API handler can reach.
 #[derive(Clone, FromRef)]
@@ -26,22 +29,51 @@ pub struct AppState {
     pub config: Arc<Config>,
 }
 
+/// Who may call each route of this service: the one authorization table, enforced by
+/// [`airlock_core::http::authorize`] before any handler runs.
+pub const ROUTES: &[RouteRule] = &[
+    RouteRule { method: "POST", path: "/v1/runs", access: Access::Agent },
+    RouteRule { method: "GET", path: "/v1/runs/{id}", access: Access::Agent },
+    RouteRule { method: "POST", path: "/v1/deliveries", access: Access::Agent },
+    RouteRule { method: "GET", path: "/v1/deliveries/{id}", access: Access::Agent },
+    RouteRule { method: "POST", path: "/v1/deliveries/{id}/cancel", access: Access::Agent },
+    RouteRule { method: "GET", path: "/healthz", access: Access::Public },
+    RouteRule { method: "GET", path: "/readyz", access: Access::Public },
+    RouteRule { method: "GET", path: "/openapi.json", access: Access::Public },
+];
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "airlock agent API", description = "Runs and deliveries, for agents."),
+    modifiers(&BearerAuth),
+    security(("bearer" = []))
+)]
+struct ApiDoc;
+
+/// The routes with their OpenAPI description.
+pub fn documented_routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(create_run))
+        .routes(routes!(get_run))
+        .routes(routes!(submit_delivery))
+        .routes(routes!(get_delivery))
+        .routes(routes!(cancel_delivery))
+}
+
+/// The OpenAPI document of this service.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    airlock_core::http::assemble(documented_routes()).split_for_parts().1
+}
+
 /// The whole agent router.
 pub fn router(state: AppState) -> Router {
     // Room for the artifact plus the request's own members; larger bodies are 413.
     let body_limit = state.config.delivery.max_artifact_bytes + 64 * 1024;
-    Router::new()
-        .route("/v1/runs", post(create_run))
-        .route("/v1/runs/{id}", get(get_run))
-        .route("/v1/deliveries", post(submit_delivery))
-        .route("/v1/deliveries/{id}", get(get_delivery))
-        .route("/v1/deliveries/{id}/cancel", post(cancel_delivery))
-        .layer(DefaultBodyLimit::max(body_limit))
-        .merge(airlock_core::http::health_routes())
-        .with_state(state)
+    let (router, _) = airlock_core::http::finish(documented_routes(), state.pool.clone(), ROUTES, body_limit);
+    router.with_state(state)
 }
 
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Deserialize, Default, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct Budget {
     #[serde(default)]
@@ -52,7 +84,7 @@ struct Budget {
     max_cost_micros: i64,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct CreateRun {
     #[serde(default)]
@@ -75,6 +107,9 @@ fn run_json(r: &Run) -> Value {
     })
 }
 
+/// Starts a run with a budget.
+#[utoipa::path(post, path = "/v1/runs", request_body = CreateRun,
+    responses((status = 201, description = "the run"), (status = 400, description = "invalid"), (status = 401), (status = 403)))]
 async fn create_run(
     State(pool): State<PgPool>,
     auth: Auth,
@@ -93,12 +128,20 @@ async fn create_run(
     Ok((StatusCode::CREATED, Json(run_json(&run))))
 }
 
+/// A run of the calling agent, with its budget used.
+#[utoipa::path(get, path = "/v1/runs/{id}", params(("id" = String, Path, description = "run id")),
+    responses((status = 200, description = "the run"), (status = 404, description = "no such run of this agent")))]
 async fn get_run(State(pool): State<PgPool>, auth: Auth, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let agent = auth.agent()?;
     let run = store::get_run(&pool, parse_id(&id)?, agent).await?.ok_or_else(|| ApiError::not_found("run"))?;
     Ok(Json(run_json(&run)))
 }
 
+/// Hands an email or a webhook call to airlock. Idempotent on (run_id, step_id).
+#[utoipa::path(post, path = "/v1/deliveries", request_body(content = Object, description = "run_id, step_id, channel and its email or webhook member"),
+    responses((status = 201, description = "persisted"), (status = 200, description = "the same submission again"),
+        (status = 400, description = "invalid"), (status = 404, description = "no such run"), (status = 409, description = "IDEMPOTENCY_CONFLICT or BUDGET_EXHAUSTED"),
+        (status = 413, description = "too large")))]
 async fn submit_delivery(
     State(state): State<AppState>,
     auth: Auth,
@@ -126,17 +169,23 @@ async fn own_delivery(pool: &PgPool, auth: &Auth, id: &str) -> Result<store::Del
     }
 }
 
+/// A delivery of the calling agent: state, score, receipt, events.
+#[utoipa::path(get, path = "/v1/deliveries/{id}", params(("id" = String, Path, description = "delivery id")),
+    responses((status = 200, description = "the delivery"), (status = 404, description = "no such delivery of this agent")))]
 async fn get_delivery(State(pool): State<PgPool>, auth: Auth, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let d = own_delivery(&pool, &auth, &id).await?;
     Ok(Json(view::render(&pool, &d, false).await?))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct CancelBody {
     reason: Option<String>,
 }
 
+/// Cancels a delivery that has not started sending.
+#[utoipa::path(post, path = "/v1/deliveries/{id}/cancel", params(("id" = String, Path, description = "delivery id")), request_body = CancelBody,
+    responses((status = 200, description = "cancelled"), (status = 404), (status = 409, description = "too late to cancel")))]
 async fn cancel_delivery(
     State(pool): State<PgPool>,
     auth: Auth,

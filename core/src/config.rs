@@ -44,6 +44,8 @@ pub struct Config {
     #[serde(default)]
     pub scoring: ScoringConfig,
     #[serde(default)]
+    pub review: ReviewConfig,
+    #[serde(default)]
     pub worker: WorkerConfig,
     #[serde(default)]
     pub retention: RetentionConfig,
@@ -189,6 +191,13 @@ impl Default for ScoringConfig {
     fn default() -> Self {
         Self { review_threshold: 0.7 }
     }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReviewConfig {
+    /// Whoever edited an artifact version cannot approve that version.
+    pub four_eyes: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -8,7 +8,6 @@ use axum::extract::{FromRef, FromRequest, FromRequestParts, Request};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
 use axum::{Json, Router};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -106,16 +105,18 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match Json::<T>::from_request(req, state).await {
-            Ok(Json(v)) => Ok(JsonBody(v)),
-            Err(rej) => {
-                if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                    Err(ApiError::PayloadTooLarge("request body too large".into()))
-                } else {
-                    Err(ApiError::Validation(rej.body_text()))
-                }
+        let value = match Json::<serde_json::Value>::from_request(req, state).await {
+            Ok(Json(v)) => v,
+            Err(rej) if rej.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                return Err(ApiError::PayloadTooLarge("request body too large".into()));
             }
+            Err(rej) => return Err(ApiError::Validation(rej.body_text())),
+        };
+        // Every request body is an object: serde would otherwise read a struct from an array.
+        if !value.is_object() {
+            return Err(ApiError::Validation("the request body must be a JSON object".into()));
         }
+        serde_json::from_value(value).map(JsonBody).map_err(|e| ApiError::Validation(format!("invalid body: {e}")))
     }
 }
 
@@ -150,6 +151,10 @@ where
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        // Already authenticated by the authorization layer.
+        if let Some(auth) = parts.extensions.get::<Auth>() {
+            return Ok(auth.clone());
+        }
         let header = parts.headers.get(axum::http::header::AUTHORIZATION).ok_or(ApiError::Unauthenticated)?;
         let value = header.to_str().map_err(|_| ApiError::Unauthenticated)?;
         let token = value.strip_prefix("Bearer ").ok_or(ApiError::Unauthenticated)?.trim();
@@ -163,22 +168,105 @@ where
 }
 
 /// `/healthz` (the process answers) and `/readyz` (the database answers and the schema is
-/// current), without authentication.
-pub fn health_routes<S>() -> Router<S>
+/// current), without authentication, documented.
+pub fn health_routes<S>() -> utoipa_axum::router::OpenApiRouter<S>
 where
     PgPool: FromRef<S>,
     S: Clone + Send + Sync + 'static,
 {
-    Router::new().route("/healthz", get(|| async { Json(serde_json::json!({"status": "ok"})) })).route(
-        "/readyz",
-        get(|axum::extract::State(pool): axum::extract::State<PgPool>| async move {
-            if crate::db::ready(&pool).await {
-                (StatusCode::OK, Json(serde_json::json!({"status": "ready"})))
-            } else {
-                (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({"status": "not ready"})))
-            }
-        }),
-    )
+    utoipa_axum::router::OpenApiRouter::new().routes(utoipa_axum::routes!(healthz)).routes(utoipa_axum::routes!(readyz))
+}
+
+/// The process is up.
+#[utoipa::path(get, path = "/healthz", security(()), responses((status = 200, description = "up")))]
+pub async fn healthz() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"status": "ok"}))
+}
+
+/// The database answers and every migration is applied.
+#[utoipa::path(get, path = "/readyz", security(()), responses((status = 200, description = "ready"), (status = 503, description = "not ready")))]
+pub async fn readyz(axum::extract::State(pool): axum::extract::State<PgPool>) -> (StatusCode, Json<serde_json::Value>) {
+    if crate::db::ready(&pool).await {
+        (StatusCode::OK, Json(serde_json::json!({"status": "ready"})))
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({"status": "not ready"})))
+    }
+}
+
+/// This service's OpenAPI 3 document.
+#[utoipa::path(get, path = "/openapi.json", security(()), responses((status = 200, description = "the OpenAPI document")))]
+pub async fn openapi_json(
+    axum::Extension(doc): axum::Extension<std::sync::Arc<utoipa::openapi::OpenApi>>,
+) -> Json<utoipa::openapi::OpenApi> {
+    Json((*doc).clone())
+}
+
+/// Declares the bearer scheme every non-public route uses.
+pub struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).bearer_format("opaque").build()),
+        );
+    }
+}
+
+/// A service's documented routes plus the common ones (health checks, `/openapi.json`).
+pub fn assemble<S>(routes: utoipa_axum::router::OpenApiRouter<S>) -> utoipa_axum::router::OpenApiRouter<S>
+where
+    PgPool: FromRef<S>,
+    S: Clone + Send + Sync + 'static,
+{
+    routes.merge(health_routes()).routes(utoipa_axum::routes!(openapi_json))
+}
+
+/// Finishes a service: its OpenAPI document served at `/openapi.json`, the authorization
+/// table enforced on every route, and the hardening layers (request timeout, security
+/// headers, no CORS). Returns the router and the document.
+pub fn finish<S>(
+    routes: utoipa_axum::router::OpenApiRouter<S>,
+    pool: PgPool,
+    rules: &'static [RouteRule],
+    body_limit: usize,
+) -> (Router<S>, utoipa::openapi::OpenApi)
+where
+    PgPool: FromRef<S>,
+    S: Clone + Send + Sync + 'static,
+{
+    let (router, doc) = assemble(routes).split_for_parts();
+    let shared = std::sync::Arc::new(doc.clone());
+    let router = router
+        .layer(axum::extract::DefaultBodyLimit::max(body_limit))
+        .route_layer(axum::middleware::from_fn_with_state((pool, rules), authorize))
+        .layer(axum::Extension(shared));
+    (harden(router), doc)
+}
+
+/// Request timeout and security headers. No CORS layer: browsers may not call these
+/// services from another origin.
+pub fn harden<S: Clone + Send + Sync + 'static>(router: Router<S>) -> Router<S> {
+    use axum::http::{HeaderName, HeaderValue};
+    use tower_http::set_header::SetResponseHeaderLayer;
+    let header = |name: &'static str, value: &'static str| {
+        SetResponseHeaderLayer::if_not_present(HeaderName::from_static(name), HeaderValue::from_static(value))
+    };
+    router
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            std::time::Duration::from_secs(30),
+        ))
+        .layer(header("x-content-type-options", "nosniff"))
+        .layer(header("x-frame-options", "DENY"))
+        .layer(header("referrer-policy", "no-referrer"))
+        .layer(header("cache-control", "no-store"))
+        .layer(header(
+            "content-security-policy",
+            "default-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
+        ))
 }
 
 /// One page of a list route.
@@ -244,6 +332,7 @@ impl From<crate::delivery::pipeline::PipelineError> for ApiError {
             e @ P::StaleArtifact { .. } => ApiError::StaleArtifact(e.to_string()),
             e @ P::IdempotencyConflict { .. } => ApiError::IdempotencyConflict(e.to_string()),
             e @ P::BudgetExhausted => ApiError::BudgetExhausted(e.to_string()),
+            P::Forbidden(m) => ApiError::Forbidden(m),
             P::Queue(q) => ApiError::InvalidTransition(q.to_string()),
             P::Db(e) => ApiError::Internal(e.into()),
         }
@@ -253,4 +342,77 @@ impl From<crate::delivery::pipeline::PipelineError> for ApiError {
 /// Parses an id from a path segment.
 pub fn parse_id(s: &str) -> Result<uuid::Uuid, ApiError> {
     uuid::Uuid::parse_str(s).map_err(|_| ApiError::Validation(format!("`{s}` is not a UUID")))
+}
+
+/// Who may call a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// No token needed (health checks, metrics, the OpenAPI document, the web page shell).
+    Public,
+    /// Only an agent token (the agent API).
+    Agent,
+    /// A human principal whose role includes this one.
+    AtLeast(Role),
+}
+
+impl Access {
+    /// Whether a principal of `role` passes.
+    pub fn allows(self, role: Role) -> bool {
+        match self {
+            Access::Public => true,
+            Access::Agent => role == Role::Agent,
+            Access::AtLeast(r) => role.at_least(r),
+        }
+    }
+}
+
+/// One line of a service's authorization table.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRule {
+    pub method: &'static str,
+    /// The route as the router declares it (`/v1/runs/{id}`).
+    pub path: &'static str,
+    pub access: Access,
+}
+
+/// Enforces a service's authorization table before any handler runs: authenticates the
+/// bearer token (401), checks the role (403), and hands the principal to the handler.
+/// A route missing from the table is refused (fail closed).
+pub async fn authorize(
+    axum::extract::State((pool, rules)): axum::extract::State<(PgPool, &'static [RouteRule])>,
+    matched: Option<axum::extract::MatchedPath>,
+    mut req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let method = req.method().as_str().to_string();
+    let Some(path) = matched.as_ref().map(|m| m.as_str().to_string()) else {
+        return ApiError::not_found("route").into_response();
+    };
+    let Some(rule) = rules.iter().find(|r| r.method == method && r.path == path) else {
+        tracing::error!(method, path, "route missing from the authorization table: refused");
+        return ApiError::Forbidden("this route has no authorization rule".into()).into_response();
+    };
+    if rule.access == Access::Public {
+        return next.run(req).await;
+    }
+    let token = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|h| h.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|t| t.trim().to_string());
+    let Some(token) = token else {
+        return ApiError::Unauthenticated.into_response();
+    };
+    let principal = match principals::authenticate(&pool, &token).await {
+        Ok(Some(p)) => p,
+        Ok(None) => return ApiError::Unauthenticated.into_response(),
+        Err(e) => return ApiError::Internal(e.into()).into_response(),
+    };
+    if !rule.access.allows(principal.role) {
+        return ApiError::Forbidden(format!("role {} may not call {method} {path}", principal.role.as_str()))
+            .into_response();
+    }
+    req.extensions_mut().insert(Auth(principal));
+    next.run(req).await
 }

@@ -21,6 +21,7 @@ pub mod db;
 pub mod delivery;
 pub mod fault;
 pub mod fleet;
+pub mod grants;
 pub mod http;
 pub mod policy;
 pub mod principals;

@@ -135,18 +135,49 @@ pub async fn create(
     }
 }
 
-/// Finds the live principal holding `token`, if any.
+/// Finds the live principal holding `token`, if any. A revoked token is refused from
+/// the moment its revocation commits (every request looks it up).
 pub async fn authenticate(db: impl PgExecutor<'_>, token: &str) -> Result<Option<Principal>, sqlx::Error> {
     if !token.starts_with(TOKEN_PREFIX) || token.len() > 200 {
         return Ok(None);
     }
-    sqlx::query_as(
-        r#"SELECT id, name, role, agent_id, created_at, revoked_at FROM principals
+    let hash = token_hash(token);
+    let row: Option<(Vec<u8>, Principal)> =
+        sqlx::query_as::<_, (Vec<u8>, Uuid, String, Role, Option<String>, DateTime<Utc>, Option<DateTime<Utc>>)>(
+            r#"SELECT token_sha256, id, name, role, agent_id, created_at, revoked_at FROM principals
            WHERE token_sha256 = $1 AND revoked_at IS NULL"#,
-    )
-    .bind(token_hash(token))
-    .fetch_optional(db)
-    .await
+        )
+        .bind(&hash)
+        .fetch_optional(db)
+        .await?
+        .map(|(h, id, name, role, agent_id, created_at, revoked_at)| {
+            (h, Principal { id, name, role, agent_id, created_at, revoked_at })
+        });
+    // The index finds the row by hash; the final comparison does not leak timing.
+    Ok(row.filter(|(stored, _)| constant_time_eq(stored, &hash)).map(|(_, p)| p))
+}
+
+/// Compares two byte strings in time that depends only on their length.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Every principal, oldest first (tokens are never shown again).
+pub async fn list(db: impl PgExecutor<'_>) -> Result<Vec<Principal>, sqlx::Error> {
+    sqlx::query_as("SELECT id, name, role, agent_id, created_at, revoked_at FROM principals ORDER BY created_at, id")
+        .fetch_all(db)
+        .await
+}
+
+/// Revokes a principal's token by name; true when it was live.
+pub async fn revoke(db: impl PgExecutor<'_>, name: &str, by: &str) -> Result<bool, sqlx::Error> {
+    let r =
+        sqlx::query("UPDATE principals SET revoked_at = now(), revoked_by = $2 WHERE name = $1 AND revoked_at IS NULL")
+            .bind(name)
+            .bind(by)
+            .execute(db)
+            .await?;
+    Ok(r.rows_affected() == 1)
 }
 
 #[cfg(test)]
@@ -161,6 +192,13 @@ mod tests {
         assert!(!Role::Agent.at_least(Role::Reviewer));
         assert!(!Role::Admin.at_least(Role::Agent));
         assert!(Role::Agent.at_least(Role::Agent));
+    }
+
+    #[test]
+    fn constant_time_comparison() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
     }
 
     #[test]

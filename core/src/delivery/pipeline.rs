@@ -21,6 +21,7 @@ use crate::artifact::{Artifact, Channel, Limits, ValidationError};
 use crate::audit;
 use crate::channels::EffectOutcome;
 use crate::config::Config;
+use crate::grants;
 use crate::policy;
 use crate::principals::Principal;
 use crate::queue::{self, Lease, NewJob, QueueError, RescueOutcome, Rescued};
@@ -48,6 +49,8 @@ pub enum PipelineError {
     IdempotencyConflict { run_id: Uuid, step_id: String },
     #[error("the run's step budget is spent")]
     BudgetExhausted,
+    #[error("{0}")]
+    Forbidden(String),
     #[error(transparent)]
     Queue(QueueError),
     #[error(transparent)]
@@ -206,7 +209,18 @@ pub async fn score(
     } else {
         (Action::RouteToApproval, format!("score {} is at or above the review threshold {threshold}", s.value))
     };
-    store::transition(&mut tx, &scored, route, &actor, Some(&why), json!({})).await?;
+    let routed_state = store::transition(&mut tx, &scored, route, &actor, Some(&why), json!({})).await?;
+    if routed_state == DeliveryState::AwaitingApproval
+        && let Some(grant_id) = grants::try_use(&mut tx, &scored.agent, &artifact, s.value).await?
+    {
+        let routed = Delivery { state: routed_state, ..scored.clone() };
+        store::insert_approval(&mut *tx, routed.id, &routed.artifact_sha256, None, Some(grant_id), None).await?;
+        let grant_actor = Actor::new("grant", grant_id.to_string());
+        let data = json!({"artifact_sha256": routed.artifact_sha256, "grant_id": grant_id});
+        store::transition(&mut tx, &routed, Action::Approve, &grant_actor, Some("matched a standing grant"), data)
+            .await?;
+        enqueue_send(&mut tx, cfg, &routed).await?;
+    }
     queue::complete(&mut *tx, lease).await?;
     crate::fault::hit("score.before_commit").await.map_err(|e| PipelineError::Invalid(e.to_string()))?;
     tx.commit().await?;
@@ -308,19 +322,70 @@ pub async fn approve(
 ) -> Result<Delivery, PipelineError> {
     let note = optional_note(note)?;
     let mut tx = pool.begin().await?;
+    approve_in(&mut tx, cfg, who, id, artifact_sha256, note.as_deref()).await?;
     let d = store::lock(&mut *tx, id).await?;
+    tx.commit().await?;
+    Ok(d)
+}
+
+/// The most deliveries one batch approval may hold.
+pub const MAX_BATCH: usize = 100;
+
+/// Approves several deliveries, each bound to the hash its approver saw: all or nothing.
+pub async fn approve_batch(
+    pool: &PgPool,
+    cfg: &Config,
+    who: &Principal,
+    items: &[(Uuid, String)],
+    note: Option<&str>,
+) -> Result<Vec<Delivery>, PipelineError> {
+    let note = optional_note(note)?;
+    if items.is_empty() || items.len() > MAX_BATCH {
+        return Err(PipelineError::Invalid(format!("items: approve 1 to {MAX_BATCH} deliveries at once")));
+    }
+    let mut seen = std::collections::HashSet::new();
+    if !items.iter().all(|(id, _)| seen.insert(*id)) {
+        return Err(PipelineError::Invalid("items: a delivery is listed twice".into()));
+    }
+    // Lock in id order so two overlapping batches cannot deadlock.
+    let mut ordered: Vec<&(Uuid, String)> = items.iter().collect();
+    ordered.sort_by_key(|(id, _)| *id);
+    let mut tx = pool.begin().await?;
+    for (id, sha) in &ordered {
+        approve_in(&mut tx, cfg, who, *id, sha, note.as_deref()).await?;
+    }
+    let mut out = Vec::with_capacity(items.len());
+    for (id, _) in items {
+        out.push(store::lock(&mut *tx, *id).await?);
+    }
+    tx.commit().await?;
+    Ok(out)
+}
+
+/// The checks and writes of one approval, in the caller's transaction.
+async fn approve_in(
+    tx: &mut Transaction<'_, Postgres>,
+    cfg: &Config,
+    who: &Principal,
+    id: Uuid,
+    artifact_sha256: &str,
+    note: Option<&str>,
+) -> Result<(), PipelineError> {
+    let d = store::lock(&mut **tx, id).await?;
     require_state(&d, &[DeliveryState::AwaitingApproval], "approved")?;
     if d.artifact_sha256 != artifact_sha256 {
         return Err(PipelineError::StaleArtifact { current: d.artifact_sha256 });
     }
-    store::insert_approval(&mut *tx, id, artifact_sha256, Some(&who.name), None, note.as_deref()).await?;
+    if cfg.review.four_eyes && store::edited_by(&mut **tx, id, &d.artifact_sha256).await?.as_deref() == Some(&who.name)
+    {
+        return Err(PipelineError::Forbidden("four-eyes review: whoever edited this version cannot approve it".into()));
+    }
+    store::insert_approval(&mut **tx, id, artifact_sha256, Some(&who.name), None, note).await?;
     let data = json!({"artifact_sha256": artifact_sha256});
-    store::transition(&mut tx, &d, Action::Approve, &reviewer_actor(who), note.as_deref(), data.clone()).await?;
-    enqueue_send(&mut tx, cfg, &d).await?;
-    audit_delivery(&mut tx, who, "delivery.approve", &d, note.as_deref(), data).await?;
-    let d = store::lock(&mut *tx, id).await?;
-    tx.commit().await?;
-    Ok(d)
+    store::transition(tx, &d, Action::Approve, &reviewer_actor(who), note, data.clone()).await?;
+    enqueue_send(tx, cfg, &d).await?;
+    audit_delivery(tx, who, "delivery.approve", &d, note, data).await?;
+    Ok(())
 }
 
 async fn enqueue_send(tx: &mut Transaction<'_, Postgres>, cfg: &Config, d: &Delivery) -> Result<(), QueueError> {

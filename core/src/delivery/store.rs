@@ -453,6 +453,18 @@ pub async fn insert_review(
     Ok(())
 }
 
+/// Who produced an artifact version of a delivery by editing it, if anyone did.
+pub async fn edited_by(db: impl PgExecutor<'_>, delivery_id: Uuid, sha: &str) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        r#"SELECT reviewer FROM reviews WHERE delivery_id = $1 AND action = 'edit' AND to_sha256 = $2
+           ORDER BY created_at DESC, id DESC LIMIT 1"#,
+    )
+    .bind(delivery_id)
+    .bind(sha)
+    .fetch_optional(db)
+    .await
+}
+
 /// Points a delivery at a new artifact version (a reviewer's edit).
 pub async fn set_artifact(db: impl PgExecutor<'_>, delivery_id: Uuid, sha: &str) -> Result<(), sqlx::Error> {
     sqlx::query("UPDATE deliveries SET artifact_sha256 = $2, updated_at = now() WHERE id = $1")

@@ -360,6 +360,9 @@ async fn list_jobs(
 ) -> Result<Json<Value>, ApiError> {
     auth.require(Role::Operator)?;
     let limit = page_limit(q.limit)?;
+    if let Some(kind) = &q.kind {
+        airlock_core::http::printable("kind", kind)?;
+    }
     let state = match q.state.as_deref() {
         None | Some("") => None,
         Some(s) => Some(JobState::parse(s).ok_or_else(|| ApiError::Validation(format!("state: unknown state `{s}`")))?),
@@ -476,6 +479,9 @@ async fn revoke_grant(
     Query(q): Query<RevokeQuery>,
 ) -> Result<Json<grants::Grant>, ApiError> {
     let who = auth.require(Role::Operator)?;
+    if let Some(r) = &q.reason {
+        airlock_core::http::printable("reason", r)?;
+    }
     let reason = q.reason.as_deref().map(str::trim).filter(|r| !r.is_empty()).unwrap_or("revoked");
     let mut tx = pool.begin().await?;
     let g = grants::revoke(&mut tx, who, parse_id(&id)?, reason).await.map_err(grant_error)?;

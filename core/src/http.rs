@@ -116,8 +116,47 @@ where
         if !value.is_object() {
             return Err(ApiError::Validation("the request body must be a JSON object".into()));
         }
+        if let Some((path, why)) = unstorable(&value, "") {
+            return Err(ApiError::Validation(format!("{path}: {why}")));
+        }
         serde_json::from_value(value).map(JsonBody).map_err(|e| ApiError::Validation(format!("invalid body: {e}")))
     }
+}
+
+/// The largest magnitude a JSON number may have: Postgres stores numbers exactly, and one
+/// near the edge of a double would not read back.
+pub const MAX_JSON_NUMBER: f64 = 1e300;
+
+/// The path of the first value Postgres cannot store and give back as it came: a string or
+/// key holding a NUL character, or a number too large for a double once normalised.
+pub fn unstorable(v: &serde_json::Value, at: &str) -> Option<(String, &'static str)> {
+    let here = || if at.is_empty() { "body".to_string() } else { at.to_string() };
+    match v {
+        serde_json::Value::String(s) if s.contains('\0') => Some((here(), "text may not contain NUL characters")),
+        serde_json::Value::Number(n) if n.as_f64().is_some_and(|f| !f.is_finite() || f.abs() > MAX_JSON_NUMBER) => {
+            Some((here(), "number out of range"))
+        }
+        serde_json::Value::Array(items) => {
+            items.iter().enumerate().find_map(|(i, item)| unstorable(item, &format!("{at}[{i}]")))
+        }
+        serde_json::Value::Object(map) => map.iter().find_map(|(k, item)| {
+            let path = if at.is_empty() { k.clone() } else { format!("{at}.{k}") };
+            if k.contains('\0') {
+                Some((path, "keys may not contain NUL characters"))
+            } else {
+                unstorable(item, &path)
+            }
+        }),
+        _ => None,
+    }
+}
+
+/// Refuses a query value that is not printable text.
+pub fn printable(field: &str, v: &str) -> Result<(), ApiError> {
+    if v.chars().any(char::is_control) || v.len() > 2000 {
+        return Err(ApiError::Validation(format!("{field}: must be printable text of at most 2000 bytes")));
+    }
+    Ok(())
 }
 
 /// The principal behind the request's bearer token.

@@ -1,0 +1,140 @@
+//! The `agents` table: which node holds each agent, at which epoch, and the epoch
+//! allocator that gives every migration a fresh epoch.
+//!
+//! Every change is a guarded UPDATE naming the expected state; no row matching is a typed
+//! error, never a silent overwrite.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{FromRow, PgExecutor};
+
+use super::AgentId;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, sqlx::Type)]
+#[sqlx(type_name = "agent_state", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
+pub enum AgentState {
+    /// Only in the capsule store; no node runs it.
+    Stored,
+    /// Its holder node runs it.
+    Active,
+    /// A migration owns it.
+    Migrating,
+}
+
+impl AgentState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AgentState::Stored => "stored",
+            AgentState::Active => "active",
+            AgentState::Migrating => "migrating",
+        }
+    }
+}
+
+#[derive(Debug, Clone, FromRow, Serialize)]
+pub struct Agent {
+    pub id: String,
+    pub holder: Option<String>,
+    pub epoch: i64,
+    pub max_epoch: i64,
+    pub state: AgentState,
+    pub manifest_sha256: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("agent {0} not found")]
+    NotFound(String),
+    #[error("{0}")]
+    InvalidTransition(String),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+pub async fn get(db: impl PgExecutor<'_>, id: &AgentId) -> Result<Option<Agent>, sqlx::Error> {
+    sqlx::query_as("SELECT * FROM agents WHERE id = $1").bind(id.as_str()).fetch_optional(db).await
+}
+
+/// Records an imported capsule: a new agent, or a newer epoch of a stored one. An agent
+/// that a node runs (or that is migrating) is refused: importing it would make two copies.
+pub async fn record_import(
+    db: impl PgExecutor<'_>,
+    id: &AgentId,
+    epoch: i64,
+    manifest_sha256: &str,
+) -> Result<Agent, AgentError> {
+    let row: Option<Agent> = sqlx::query_as(
+        r#"INSERT INTO agents (id, holder, epoch, max_epoch, state, manifest_sha256)
+           VALUES ($1, NULL, $2, $2, 'stored', $3)
+           ON CONFLICT (id) DO UPDATE SET epoch = $2, max_epoch = $2, manifest_sha256 = $3, updated_at = now()
+               WHERE agents.state = 'stored' AND agents.max_epoch < $2
+           RETURNING *"#,
+    )
+    .bind(id.as_str())
+    .bind(epoch)
+    .bind(manifest_sha256)
+    .fetch_optional(db)
+    .await?;
+    row.ok_or_else(|| {
+        AgentError::InvalidTransition(format!(
+            "agent {id} exists with an epoch at least {epoch}, or runs on a node: import a newer epoch of a stored agent"
+        ))
+    })
+}
+
+/// Takes the agent for a migration: `stored|active` → `migrating`, allocating a fresh
+/// epoch. Returns the row as it is now (`epoch` the source's, `max_epoch` the new one).
+pub async fn begin_migration(db: impl PgExecutor<'_>, id: &AgentId) -> Result<Agent, AgentError> {
+    let row: Option<Agent> = sqlx::query_as(
+        r#"UPDATE agents SET state = 'migrating', max_epoch = max_epoch + 1, updated_at = now()
+           WHERE id = $1 AND state IN ('stored', 'active') RETURNING *"#,
+    )
+    .bind(id.as_str())
+    .fetch_optional(db)
+    .await?;
+    row.ok_or_else(|| AgentError::InvalidTransition(format!("agent {id} is missing or already migrating")))
+}
+
+/// Ends a migration that moved the agent: `migrating` → `active` on its new holder.
+pub async fn finish_migration(
+    db: impl PgExecutor<'_>,
+    id: &AgentId,
+    holder: &str,
+    epoch: i64,
+    manifest_sha256: Option<&str>,
+) -> Result<(), AgentError> {
+    let r = sqlx::query(
+        r#"UPDATE agents SET state = 'active', holder = $2, epoch = $3,
+               manifest_sha256 = coalesce($4, manifest_sha256), updated_at = now()
+           WHERE id = $1 AND state = 'migrating' AND max_epoch >= $3 AND epoch < $3"#,
+    )
+    .bind(id.as_str())
+    .bind(holder)
+    .bind(epoch)
+    .bind(manifest_sha256)
+    .execute(db)
+    .await?;
+    if r.rows_affected() == 0 {
+        return Err(AgentError::InvalidTransition(format!("agent {id} is not migrating to epoch {epoch}")));
+    }
+    Ok(())
+}
+
+/// Ends a migration that did not move the agent: back to where it was.
+pub async fn abort_migration(db: impl PgExecutor<'_>, id: &AgentId) -> Result<(), AgentError> {
+    let r = sqlx::query(
+        r#"UPDATE agents SET state = CASE WHEN holder IS NULL THEN 'stored'::agent_state ELSE 'active'::agent_state END,
+               updated_at = now()
+           WHERE id = $1 AND state = 'migrating'"#,
+    )
+    .bind(id.as_str())
+    .execute(db)
+    .await?;
+    if r.rows_affected() == 0 {
+        return Err(AgentError::InvalidTransition(format!("agent {id} is not migrating")));
+    }
+    Ok(())
+}

@@ -25,10 +25,50 @@ pub enum Command {
         #[command(subcommand)]
         command: TokenCommand,
     },
+    /// Check a service's health endpoint: exit 0 when it answers 2xx (container health checks).
+    Probe {
+        /// e.g. http://127.0.0.1:7071/healthz
+        url: String,
+    },
+    /// Operate on jobs (audited).
+    Jobs {
+        #[command(subcommand)]
+        command: JobsCommand,
+    },
     /// The audit log.
     Audit {
         #[command(subcommand)]
         command: AuditCommand,
+    },
+    /// Capsules: `verify` (offline), `export`, `import`.
+    Capsule {
+        #[command(subcommand)]
+        command: crate::capsule::CapsuleCommand,
+    },
+    /// Sandboxed tasks.
+    Sandbox {
+        #[command(subcommand)]
+        command: crate::sandbox::SandboxCommand,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum JobsCommand {
+    /// Make a parked or failed job available again now.
+    Retry {
+        /// The job's id.
+        id: String,
+        /// Why (recorded in the audit log).
+        #[arg(long)]
+        reason: String,
+    },
+    /// Cancel a job that is available or parked.
+    Cancel {
+        /// The job's id.
+        id: String,
+        /// Why (recorded in the audit log).
+        #[arg(long)]
+        reason: String,
     },
 }
 
@@ -64,6 +104,14 @@ pub enum TokenCommand {
     },
 }
 
+/// GETs a health URL; succeeds on a 2xx answer within five seconds.
+async fn probe(url: &str) -> anyhow::Result<()> {
+    let client = reqwest::Client::builder().timeout(std::time::Duration::from_secs(5)).no_proxy().build()?;
+    let status = client.get(url).send().await?.status();
+    anyhow::ensure!(status.is_success(), "{url} answered {status}");
+    Ok(())
+}
+
 /// Who acts from the command line: the operating-system user, as the audit log shows it.
 fn cli_actor() -> String {
     format!("cli:{}", std::env::var("USER").ok().filter(|u| !u.is_empty()).unwrap_or_else(|| "unknown".into()))
@@ -89,10 +137,19 @@ async fn audit_cli(
 
 /// Runs a parsed command.
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    // Capsule commands load what they need themselves; `capsule verify` needs nothing.
+    let cli = match cli.command {
+        Command::Capsule { command } => return crate::capsule::run(command).await,
+        Command::Probe { url } => return probe(&url).await,
+        command => Cli { command },
+    };
     let cfg = Config::load()?;
     let pool = airlock_core::db::connect(&cfg.database).await?;
     airlock_core::db::migrate(&pool).await?;
     match cli.command {
+        // Handled above, before any configuration or database access.
+        Command::Capsule { command } => crate::capsule::run(command).await,
+        Command::Probe { url } => probe(&url).await,
         Command::Migrate => {
             tracing::info!("migrations applied");
             Ok(())
@@ -139,6 +196,38 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             println!("revoked {name}");
             Ok(())
         }
+        Command::Jobs { command } => {
+            let (action, id, reason) = match &command {
+                JobsCommand::Retry { id, reason } => ("job.retry", id, reason),
+                JobsCommand::Cancel { id, reason } => ("job.cancel", id, reason),
+            };
+            let job_id = uuid::Uuid::parse_str(id).map_err(|_| anyhow::anyhow!("`{id}` is not a job id"))?;
+            if reason.trim().is_empty() {
+                anyhow::bail!("--reason must not be empty");
+            }
+            let mut tx = pool.begin().await?;
+            let job = airlock_core::queue::get(&mut *tx, job_id).await?;
+            airlock_core::audit::record_as(
+                &mut tx,
+                &cli_actor(),
+                "admin",
+                airlock_core::audit::Action {
+                    action,
+                    target_kind: "job",
+                    target_id: id.clone(),
+                    reason: Some(reason),
+                    data: serde_json::json!({"kind": job.kind, "state_before": job.state}),
+                },
+            )
+            .await?;
+            match command {
+                JobsCommand::Retry { .. } => airlock_core::queue::retry_now(&mut *tx, job_id).await?,
+                JobsCommand::Cancel { .. } => airlock_core::queue::cancel(&mut *tx, job_id, reason).await?,
+            }
+            tx.commit().await?;
+            println!("{action} {id}");
+            Ok(())
+        }
         Command::Audit { command: AuditCommand::Verify } => match airlock_core::audit::verify(&pool).await? {
             None => {
                 println!("ok");
@@ -149,6 +238,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 std::process::exit(1);
             }
         },
+        Command::Sandbox { command } => crate::sandbox::run_cli(&pool, &cfg, command).await,
         Command::Serve => {
             let listener = tokio::net::TcpListener::bind(cfg.admin.listen).await?;
             tracing::info!(listen = %listener.local_addr()?, "admin listening");

@@ -50,11 +50,20 @@ pub const ROUTES: &[RouteRule] = &[
     RouteRule { method: "GET", path: "/admin/v1/audit", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/jobs", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/workers", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/tasks", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/tasks/{id}", access: OPERATOR },
+    RouteRule { method: "POST", path: "/admin/v1/tasks/{id}/choose", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/sandbox/decisions", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/sandbox/report", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/agents/{id}", access: OPERATOR },
+    RouteRule { method: "POST", path: "/admin/v1/agents/{id}/migrations", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/migrations/{id}", access: OPERATOR },
     RouteRule { method: "GET", path: "/", access: Access::Public },
     RouteRule { method: "GET", path: "/app.js", access: Access::Public },
     RouteRule { method: "GET", path: "/app.css", access: Access::Public },
     RouteRule { method: "GET", path: "/healthz", access: Access::Public },
     RouteRule { method: "GET", path: "/readyz", access: Access::Public },
+    RouteRule { method: "GET", path: "/metrics", access: Access::Public },
     RouteRule { method: "GET", path: "/openapi.json", access: Access::Public },
 ];
 
@@ -87,6 +96,12 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(list_audit))
         .routes(routes!(list_jobs))
         .routes(routes!(list_workers))
+        .routes(routes!(crate::sandbox::list_tasks))
+        .routes(routes!(crate::sandbox::get_task))
+        .routes(routes!(crate::sandbox::choose))
+        .routes(routes!(crate::sandbox::list_decisions))
+        .routes(routes!(crate::sandbox::get_report))
+        .merge(crate::capsule::routes())
         .routes(routes!(crate::page::index))
         .routes(routes!(crate::page::script))
         .routes(routes!(crate::page::style))
@@ -100,7 +115,7 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
 /// The whole admin router.
 pub fn router(state: AppState) -> Router {
     let body_limit = state.config.delivery.max_artifact_bytes + 64 * 1024;
-    let (router, _) = airlock_core::http::finish(documented_routes(), state.pool.clone(), ROUTES, body_limit);
+    let (router, _) = airlock_core::http::finish("admin", documented_routes(), state.pool.clone(), ROUTES, body_limit);
     router.with_state(state)
 }
 
@@ -112,15 +127,15 @@ struct ListQuery {
     cursor: Option<String>,
 }
 
-fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
+pub(crate) fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
     airlock_core::http::PageQuery { limit, cursor: None }.limit()
 }
 
-fn encode_cursor(s: &str) -> String {
+pub(crate) fn encode_cursor(s: &str) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s)
 }
 
-fn decode_cursor(c: &str) -> Result<String, ApiError> {
+pub(crate) fn decode_cursor(c: &str) -> Result<String, ApiError> {
     base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(c)
         .ok()

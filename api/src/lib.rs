@@ -1,7 +1,7 @@
 //! airlock-api: the agent-facing HTTP API.
 //!
 //! Every route but the health checks needs an agent's bearer token, and an agent sees only
-//! its own runs and deliveries (anything else is 404, so ids do not leak). [`router`]
+//! its own runs, deliveries and tasks (anything else is 404, so ids do not leak). [`router`]
 //! builds the service so tests can start it in-process; `main.rs` binds it.
 
 use std::sync::Arc;
@@ -22,6 +22,8 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+pub mod tasks;
+
 /// What every agent-API handler can reach.
 #[derive(Clone, FromRef)]
 pub struct AppState {
@@ -37,8 +39,11 @@ pub const ROUTES: &[RouteRule] = &[
     RouteRule { method: "POST", path: "/v1/deliveries", access: Access::Agent },
     RouteRule { method: "GET", path: "/v1/deliveries/{id}", access: Access::Agent },
     RouteRule { method: "POST", path: "/v1/deliveries/{id}/cancel", access: Access::Agent },
+    RouteRule { method: "POST", path: "/v1/tasks", access: Access::Agent },
+    RouteRule { method: "GET", path: "/v1/tasks/{id}", access: Access::Agent },
     RouteRule { method: "GET", path: "/healthz", access: Access::Public },
     RouteRule { method: "GET", path: "/readyz", access: Access::Public },
+    RouteRule { method: "GET", path: "/metrics", access: Access::Public },
     RouteRule { method: "GET", path: "/openapi.json", access: Access::Public },
 ];
 
@@ -58,6 +63,8 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(submit_delivery))
         .routes(routes!(get_delivery))
         .routes(routes!(cancel_delivery))
+        .routes(routes!(tasks::create_task))
+        .routes(routes!(tasks::get_task))
 }
 
 /// The OpenAPI document of this service.
@@ -69,7 +76,7 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
 pub fn router(state: AppState) -> Router {
     // Room for the artifact plus the request's own members; larger bodies are 413.
     let body_limit = state.config.delivery.max_artifact_bytes + 64 * 1024;
-    let (router, _) = airlock_core::http::finish(documented_routes(), state.pool.clone(), ROUTES, body_limit);
+    let (router, _) = airlock_core::http::finish("api", documented_routes(), state.pool.clone(), ROUTES, body_limit);
     router.with_state(state)
 }
 

@@ -49,6 +49,15 @@ pub struct Config {
     pub worker: WorkerConfig,
     #[serde(default)]
     pub retention: RetentionConfig,
+    #[serde(default)]
+    pub capsules: CapsulesConfig,
+    /// Peers that host agents, by node id (`nodes.<id>.url`).
+    #[serde(default)]
+    pub nodes: std::collections::BTreeMap<String, NodePeerConfig>,
+    /// Sandbox tiers, per-agent scopes and selection rules; resolved and checked while
+    /// parsing (see [`crate::sandbox::settings`]).
+    #[serde(default)]
+    pub sandbox: crate::sandbox::SandboxConfig,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -204,6 +213,11 @@ pub struct ReviewConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct WorkerConfig {
     pub concurrency: usize,
+    /// Most jobs one claim takes (0: as many as `concurrency`); more than `concurrency`
+    /// prefetches into a local buffer.
+    pub claim_batch: usize,
+    /// Most completions recorded by one statement (1: each on its own).
+    pub complete_batch: usize,
     pub lease_seconds: u64,
     /// Queues to claim from; empty means all.
     pub queues: Vec<String>,
@@ -216,12 +230,22 @@ pub struct WorkerConfig {
     pub heartbeat_seconds: u64,
     /// Registers the `diag.*` job kinds used to check a fleet end to end.
     pub diagnostic_jobs: bool,
+    /// Where the worker serves `/healthz`, `/readyz` and `/metrics`; unset serves nothing.
+    pub metrics_listen: Option<SocketAddr>,
+    /// When set, this worker also hosts agents as this node (see `capsules`).
+    pub node_id: Option<String>,
+    /// Where the node protocol listens (only with `node_id`).
+    pub node_listen: SocketAddr,
+    /// Where a node keeps its holder records and agents' working copies.
+    pub data_dir: String,
 }
 
 impl Default for WorkerConfig {
     fn default() -> Self {
         Self {
             concurrency: 8,
+            claim_batch: 0,
+            complete_batch: 100,
             lease_seconds: 30,
             queues: Vec::new(),
             poll_interval_ms: 1000,
@@ -229,6 +253,10 @@ impl Default for WorkerConfig {
             rescue_interval_seconds: 5,
             heartbeat_seconds: 5,
             diagnostic_jobs: false,
+            metrics_listen: None,
+            node_id: None,
+            node_listen: "127.0.0.1:7072".parse().expect("built-in listen address parses"),
+            data_dir: "data/node".into(),
         }
     }
 }
@@ -300,6 +328,12 @@ impl Config {
         if self.worker.concurrency == 0 || self.worker.concurrency > 1000 {
             return Err(invalid("worker.concurrency", "must be between 1 and 1000"));
         }
+        if self.worker.claim_batch > 10_000 {
+            return Err(invalid("worker.claim_batch", "must be at most 10000"));
+        }
+        if self.worker.complete_batch > 10_000 {
+            return Err(invalid("worker.complete_batch", "must be at most 10000"));
+        }
         if self.worker.lease_seconds < 3 {
             return Err(invalid("worker.lease_seconds", "must be at least 3"));
         }
@@ -332,8 +366,106 @@ impl Config {
         if self.delivery.max_send_attempts < 1 {
             return Err(invalid("delivery.max_send_attempts", "must be at least 1"));
         }
+        self.validate_capsules()?;
         if self.retention.batch_size < 1 {
             return Err(invalid("retention.batch_size", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// Capsules and live migration (`capsules.*`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CapsulesConfig {
+    /// The capsule store: each agent's latest checkpoint and the blobs (shared by nodes).
+    pub store_dir: String,
+    /// Name of the environment variable holding the fleet secret that authenticates node
+    /// requests (HMAC).
+    pub fleet_secret_env: String,
+    /// Name of the environment variable holding the ed25519 seed for `capsule export --sign`.
+    pub signing_key_env: String,
+    /// Timeout of one node call.
+    pub node_timeout_ms: u64,
+    /// Node requests whose timestamp is further than this from the node's clock are refused.
+    pub node_max_skew_seconds: i64,
+    /// How long a migration waits before asking again when a node does not answer after
+    /// the point of no return.
+    pub migrate_retry_ms: u64,
+    /// How often a node retries reconciling agents whose holder record it lost.
+    pub reconcile_interval_seconds: u64,
+    /// A file of `NAME=value` secrets a node lends to runs; without it, the environment
+    /// variables `keyring_env_prefix` + NAME.
+    pub keyring_file: Option<String>,
+    pub keyring_env_prefix: String,
+}
+
+impl Default for CapsulesConfig {
+    fn default() -> Self {
+        Self {
+            store_dir: "data/capsules".into(),
+            fleet_secret_env: "AIRLOCK_FLEET_SECRET".into(),
+            signing_key_env: "AIRLOCK_CAPSULE_SIGNING_KEY".into(),
+            node_timeout_ms: 5000,
+            node_max_skew_seconds: 30,
+            migrate_retry_ms: 2000,
+            reconcile_interval_seconds: 5,
+            keyring_file: None,
+            keyring_env_prefix: "AIRLOCK_SECRET_".into(),
+        }
+    }
+}
+
+/// One peer node (`nodes.<id>`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodePeerConfig {
+    /// Base URL of the peer's node protocol, `http://host:port` or `https://…`.
+    pub url: String,
+}
+
+impl Config {
+    fn validate_capsules(&self) -> Result<(), ConfigError> {
+        use crate::capsule::NodeId;
+        if let Some(id) = &self.worker.node_id {
+            NodeId::parse(id).map_err(|_| {
+                invalid(
+                    "worker.node_id",
+                    format!("`{id}`: 1 to 64 of a-z, 0-9, `_`, `-`, starting with a letter or digit"),
+                )
+            })?;
+            if self.worker.data_dir.trim().is_empty() {
+                return Err(invalid("worker.data_dir", "is required when worker.node_id is set"));
+            }
+        }
+        for (id, peer) in &self.nodes {
+            if NodeId::parse(id).is_err() {
+                return Err(invalid("nodes", format!("`nodes.{id}`: node ids are 1 to 64 of a-z, 0-9, `_`, `-`")));
+            }
+            let url = peer.url.trim();
+            let rest = url.strip_prefix("http://").or_else(|| url.strip_prefix("https://"));
+            if rest.is_none_or(|r| r.is_empty() || r.contains(['?', '#', '@'])) {
+                return Err(invalid("nodes", format!("`nodes.{id}.url`: expected http(s)://host:port")));
+            }
+        }
+        let c = &self.capsules;
+        if c.store_dir.trim().is_empty() {
+            return Err(invalid("capsules.store_dir", "must not be empty"));
+        }
+        if c.fleet_secret_env.trim().is_empty() {
+            return Err(invalid("capsules.fleet_secret_env", "must name an environment variable"));
+        }
+        if c.node_timeout_ms == 0 {
+            return Err(invalid("capsules.node_timeout_ms", "must be positive"));
+        }
+        if c.node_max_skew_seconds < 1 {
+            return Err(invalid("capsules.node_max_skew_seconds", "must be at least 1"));
+        }
+        if c.migrate_retry_ms == 0 {
+            return Err(invalid("capsules.migrate_retry_ms", "must be positive"));
+        }
+        if c.reconcile_interval_seconds == 0 {
+            return Err(invalid("capsules.reconcile_interval_seconds", "must be positive"));
         }
         Ok(())
     }
@@ -417,6 +549,31 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("loopback"));
+    }
+
+    #[test]
+    fn capsule_and_node_settings() {
+        let base = ("DATABASE_URL", "postgres://x/y");
+        let c = Config::from_sources(
+            None,
+            &vars(&[
+                base,
+                ("AIRLOCK__WORKER__NODE_ID", "node_a"),
+                ("AIRLOCK__NODES__NODE_B__URL", "http://127.0.0.1:7100"),
+                ("AIRLOCK__CAPSULES__STORE_DIR", "/tmp/store"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.worker.node_id.as_deref(), Some("node_a"));
+        assert_eq!(c.worker.node_listen.to_string(), "127.0.0.1:7072");
+        assert_eq!(c.nodes["node_b"].url, "http://127.0.0.1:7100");
+        assert_eq!(c.capsules.store_dir, "/tmp/store");
+        assert_eq!(c.capsules.fleet_secret_env, "AIRLOCK_FLEET_SECRET");
+        let err = |extra: (&str, &str)| Config::from_sources(None, &vars(&[base, extra])).unwrap_err().to_string();
+        assert!(err(("AIRLOCK__WORKER__NODE_ID", "a/b")).contains("worker.node_id"));
+        assert!(err(("AIRLOCK__NODES__NODE_B__URL", "ftp://x")).contains("nodes.node_b.url"));
+        assert!(err(("AIRLOCK__CAPSULES__NODE_TIMEOUT_MS", "0")).contains("capsules.node_timeout_ms"));
+        assert!(err(("AIRLOCK__CAPSULES__STORE_DIRR", "x")).contains("store_dirr"));
     }
 
     #[test]

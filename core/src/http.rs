@@ -141,11 +141,7 @@ pub fn unstorable(v: &serde_json::Value, at: &str) -> Option<(String, &'static s
         }
         serde_json::Value::Object(map) => map.iter().find_map(|(k, item)| {
             let path = if at.is_empty() { k.clone() } else { format!("{at}.{k}") };
-            if k.contains('\0') {
-                Some((path, "keys may not contain NUL characters"))
-            } else {
-                unstorable(item, &path)
-            }
+            if k.contains('\0') { Some((path, "keys may not contain NUL characters")) } else { unstorable(item, &path) }
         }),
         _ => None,
     }
@@ -254,19 +250,46 @@ impl utoipa::Modify for BearerAuth {
     }
 }
 
-/// A service's documented routes plus the common ones (health checks, `/openapi.json`).
+/// A service's documented routes plus the common ones (health checks, `/metrics`,
+/// `/openapi.json`).
 pub fn assemble<S>(routes: utoipa_axum::router::OpenApiRouter<S>) -> utoipa_axum::router::OpenApiRouter<S>
 where
     PgPool: FromRef<S>,
     S: Clone + Send + Sync + 'static,
 {
-    routes.merge(health_routes()).routes(utoipa_axum::routes!(openapi_json))
+    routes.merge(health_routes()).routes(utoipa_axum::routes!(metrics_text)).routes(utoipa_axum::routes!(openapi_json))
+}
+
+/// Prometheus metrics of this process (queue and delivery gauges sampled now).
+#[utoipa::path(get, path = "/metrics", security(()), responses((status = 200, description = "Prometheus text format")))]
+pub async fn metrics_text(axum::extract::State(pool): axum::extract::State<PgPool>) -> impl IntoResponse {
+    (
+        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        crate::metrics::render(&pool).await,
+    )
+}
+
+/// Counts requests by service, method, matched route and status.
+pub async fn count_requests(
+    axum::extract::State(service): axum::extract::State<&'static str>,
+    matched: Option<axum::extract::MatchedPath>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let method = req.method().as_str().to_string();
+    let route = matched.map(|m| m.as_str().to_string()).unwrap_or_else(|| "unmatched".into());
+    let resp = next.run(req).await;
+    metrics::counter!(crate::metrics::HTTP_REQUESTS, "service" => service, "method" => method, "route" => route,
+        "status" => resp.status().as_u16().to_string())
+    .increment(1);
+    resp
 }
 
 /// Finishes a service: its OpenAPI document served at `/openapi.json`, the authorization
 /// table enforced on every route, and the hardening layers (request timeout, security
 /// headers, no CORS). Returns the router and the document.
 pub fn finish<S>(
+    service: &'static str,
     routes: utoipa_axum::router::OpenApiRouter<S>,
     pool: PgPool,
     rules: &'static [RouteRule],
@@ -281,7 +304,9 @@ where
     let router = router
         .layer(axum::extract::DefaultBodyLimit::max(body_limit))
         .route_layer(axum::middleware::from_fn_with_state((pool, rules), authorize))
+        .route_layer(axum::middleware::from_fn_with_state(service, count_requests))
         .layer(axum::Extension(shared));
+    crate::metrics::install();
     (harden(router), doc)
 }
 

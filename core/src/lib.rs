@@ -8,6 +8,8 @@
 //!   fenced on `(id, attempt, state = 'running')`.
 //! - [`fault`]: named fault points at step boundaries, no-ops unless a test arms them.
 //! - [`principals`]: bearer tokens and roles.
+//! - [`sandbox`]: sandboxed tasks — tiers, tier selection with every decision logged, and
+//!   the provider that runs commands under the chosen tier's limits.
 //! - [`telemetry`]: tracing set-up.
 //!
 //! SQL lives here and nowhere else; functions take an executor so the caller decides the
@@ -15,6 +17,7 @@
 
 pub mod artifact;
 pub mod audit;
+pub mod capsule;
 pub mod channels;
 pub mod config;
 pub mod db;
@@ -23,9 +26,11 @@ pub mod fault;
 pub mod fleet;
 pub mod grants;
 pub mod http;
+pub mod metrics;
 pub mod policy;
 pub mod principals;
 pub mod queue;
+pub mod sandbox;
 pub mod scoring;
 pub mod secret;
 pub mod telemetry;

@@ -393,6 +393,28 @@ pub async fn complete(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), Queue
     fenced(r, lease)
 }
 
+/// Completes many held jobs in one statement; returns the leases that were still held
+/// (the others were lost and are left untouched).
+pub async fn complete_many(db: impl PgExecutor<'_>, leases: &[Lease]) -> Result<Vec<Lease>, QueueError> {
+    if leases.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<Uuid> = leases.iter().map(|l| l.id).collect();
+    let attempts: Vec<i32> = leases.iter().map(|l| l.attempt).collect();
+    let done: Vec<(Uuid, i32)> = sqlx::query_as(
+        r#"UPDATE jobs j SET state = 'completed', finished_at = now(), lease_owner = NULL,
+               lease_expires_at = NULL, effect_started_at = NULL
+           FROM unnest($1::uuid[], $2::int[]) AS t(id, attempt)
+           WHERE j.id = t.id AND j.attempt = t.attempt AND j.state = 'running'
+           RETURNING j.id, j.attempt"#,
+    )
+    .bind(&ids)
+    .bind(&attempts)
+    .fetch_all(db)
+    .await?;
+    Ok(done.into_iter().map(|(id, attempt)| Lease { id, attempt }).collect())
+}
+
 /// How a failed attempt ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailOutcome {

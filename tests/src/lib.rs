@@ -6,6 +6,7 @@
 //! refuses, drops or half-accepts a message.
 
 pub mod app;
+pub mod capsule;
 pub mod harness;
 pub mod smtp;
 pub mod webhook;

@@ -407,6 +407,8 @@ fn settings(id: &str, poll: Duration) -> airlock_worker::WorkerSettings {
     airlock_worker::WorkerSettings {
         id: id.into(),
         concurrency: 4,
+        claim_batch: 4,
+        complete_batch: 1,
         lease: Duration::from_secs(30),
         queues: None,
         poll_interval: poll,
@@ -488,4 +490,89 @@ async fn graceful_stop_in_process_finishes_in_flight_work(pool: PgPool) {
     let stopped: Option<chrono::DateTime<chrono::Utc>> =
         sqlx::query_scalar("SELECT stopped_at FROM workers WHERE id = 'drain-test'").fetch_one(&pool).await.unwrap();
     assert!(stopped.is_some());
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn batched_claims_and_completions_finish_every_job_once(pool: PgPool) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut registry = airlock_worker::Registry::new();
+    let record = seen.clone();
+    registry.register_fn("test.noop", move |ctx| {
+        let record = record.clone();
+        async move {
+            record.lock().unwrap().push(ctx.job.id);
+            Ok(airlock_worker::Outcome::Completed)
+        }
+    });
+    let jobs: Vec<NewJob> = (0..2000).map(|i| NewJob::new("test.noop", json!({"i": i}))).collect();
+    let mut tx = pool.begin().await.unwrap();
+    queue::enqueue_many(&mut tx, &jobs).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let mut s = settings("batch-test", Duration::from_millis(50));
+    s.claim_batch = 64;
+    s.complete_batch = 32;
+    let worker = airlock_worker::Worker::new(pool.clone(), registry, s);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(worker.run(stop.clone()));
+    airlock_tests::harness::wait_for("2000 completed jobs", Duration::from_secs(120), || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'completed'")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            (n == 2000).then_some(())
+        }
+    })
+    .await;
+    stop.cancel();
+    run.await.unwrap().unwrap();
+    let seen: Vec<Uuid> = seen.lock().unwrap().clone();
+    let distinct: HashSet<Uuid> = seen.iter().copied().collect();
+    assert_eq!(seen.len(), 2000, "each job ran once");
+    assert_eq!(distinct.len(), 2000);
+    let attempts: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE attempt <> 1").fetch_one(&pool).await.unwrap();
+    assert_eq!(attempts, 0);
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn shutdown_releases_claimed_but_unstarted_jobs(pool: PgPool) {
+    let mut registry = airlock_worker::Registry::new();
+    registry.register_fn("test.slow", |_ctx| async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Ok(airlock_worker::Outcome::Completed)
+    });
+    for _ in 0..5 {
+        enqueue(&pool, NewJob::new("test.slow", json!({}))).await;
+    }
+    let mut s = settings("prefetch-test", Duration::from_millis(50));
+    s.concurrency = 1;
+    s.claim_batch = 10;
+    let worker = airlock_worker::Worker::new(pool.clone(), registry, s);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(worker.run(stop.clone()));
+    // One claim takes all five: one runs, four wait in the worker's buffer, all leased.
+    airlock_tests::harness::wait_for("5 claimed jobs", Duration::from_secs(30), || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running'").fetch_one(&pool).await.unwrap();
+            (n == 5).then_some(())
+        }
+    })
+    .await;
+    stop.cancel();
+    run.await.unwrap().unwrap();
+    let states: Vec<(JobState, i32, i32)> =
+        sqlx::query_as("SELECT state, attempt, max_attempts FROM jobs ORDER BY state").fetch_all(&pool).await.unwrap();
+    let completed = states.iter().filter(|(s, _, _)| *s == JobState::Completed).count();
+    let released: Vec<_> = states.iter().filter(|(s, _, _)| *s == JobState::Available).collect();
+    assert!(completed >= 1, "the started job finished: {states:?}");
+    assert_eq!(completed + released.len(), 5, "nothing left running: {states:?}");
+    assert!(
+        released.iter().all(|(_, attempt, max)| *attempt == 1 && *max == 11),
+        "released without spending an attempt"
+    );
 }

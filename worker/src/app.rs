@@ -42,6 +42,8 @@ pub fn registry_with(cfg: &Arc<Config>, worker_id: &str, webhook_secret: Option<
         SEND_JOB,
         SendHandler { config: cfg.clone(), worker_id: worker_id.to_string(), smtp: Some(smtp), webhook },
     );
+    crate::sandbox::register(&mut r, cfg, worker_id);
+    crate::migrate::register(&mut r, cfg, worker_id)?;
     if cfg.worker.diagnostic_jobs {
         crate::diag::register(&mut r);
     }
@@ -55,5 +57,26 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> anyhow::Result<()>
     airlock_core::db::migrate(&pool).await?;
     let settings = WorkerSettings::from_config(&cfg, WorkerSettings::new_id());
     let registry = registry(&cfg, &settings.id)?;
-    Worker::new(pool, registry, settings).run(shutdown).await
+    if let Some(addr) = cfg.worker.metrics_listen {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        tracing::info!(listen = %listener.local_addr()?, "worker health and metrics listening");
+        tokio::spawn(airlock_core::http::serve(listener, ops_router(pool.clone()), shutdown.clone()));
+    }
+    let node = crate::node::start_from_config(&cfg, &pool, &shutdown).await?;
+    let result = Worker::new(pool, registry, settings).run(shutdown).await;
+    if let Some(node) = node {
+        let _ = node.await;
+    }
+    result
+}
+
+/// `/healthz`, `/readyz` and `/metrics` of a worker (no authentication: they reveal
+/// counts, never content).
+pub fn ops_router(pool: sqlx::PgPool) -> axum::Router {
+    airlock_core::metrics::install();
+    let (router, _) = utoipa_axum::router::OpenApiRouter::new()
+        .merge(airlock_core::http::health_routes())
+        .routes(utoipa_axum::routes!(airlock_core::http::metrics_text))
+        .split_for_parts();
+    router.with_state(pool)
 }

@@ -12,7 +12,7 @@
 //!   about the others once their lease expires).
 //! - Every loop selects on its cancellation token; no bare sleep.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -21,7 +21,7 @@ use airlock_core::fault;
 use airlock_core::queue::{self, ClaimFilter, Job, Lease, QueueError, RescueCounts};
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -34,6 +34,11 @@ pub struct WorkerSettings {
     /// Identifies this process in leases and in the `workers` table.
     pub id: String,
     pub concurrency: usize,
+    /// Most jobs one claim statement takes; above `concurrency` the extra wait, leased, in
+    /// a local buffer (fewer, larger claims).
+    pub claim_batch: usize,
+    /// Most completions one statement records; 1 completes each job on its own.
+    pub complete_batch: usize,
     pub lease: Duration,
     /// `None`: claim from every queue.
     pub queues: Option<Vec<String>>,
@@ -54,6 +59,8 @@ impl WorkerSettings {
         Self {
             id,
             concurrency: w.concurrency,
+            claim_batch: if w.claim_batch == 0 { w.concurrency } else { w.claim_batch },
+            complete_batch: w.complete_batch.max(1),
             lease: Duration::from_secs(w.lease_seconds),
             queues: if w.queues.is_empty() { None } else { Some(w.queues.clone()) },
             poll_interval: Duration::from_millis(w.poll_interval_ms),
@@ -191,15 +198,42 @@ impl Worker {
 
         let mut tasks: JoinSet<Ended> = JoinSet::new();
         let mut task_leases: HashMap<tokio::task::Id, Lease> = HashMap::new();
+        // Claimed jobs waiting for a free slot (only when `claim_batch` > free slots); their
+        // leases are heartbeated like running ones and released on shutdown.
+        let mut ready: VecDeque<(Job, CancellationToken)> = VecDeque::new();
+        let completer = match s.complete_batch {
+            0 | 1 => None,
+            n => {
+                let (tx, rx) = mpsc::channel(4 * n.max(s.concurrency));
+                loops.spawn(completion_loop(self.pool.clone(), rx, n));
+                Some(tx)
+            }
+        };
+        let ctx = ExecCtx {
+            pool: self.pool.clone(),
+            registry: self.registry.clone(),
+            lease_len: s.lease,
+            in_flight: in_flight.clone(),
+            stats: self.stats.clone(),
+            completer: completer.clone(),
+        };
         let filter = ClaimFilter { queues: s.queues.clone() };
         let mut woke_by_notify = false;
         let mut db_backoff = Duration::from_millis(100);
 
         while !shutdown.is_cancelled() {
+            start_ready(&mut ready, &mut tasks, &mut task_leases, s.concurrency, &ctx);
             let free = s.concurrency.saturating_sub(tasks.len());
             let mut claimed_full = false;
-            if free > 0 {
-                match queue::claim_batch(&self.pool, &s.id, &filter, free as i64, s.lease).await {
+            if free > 0 && ready.is_empty() {
+                let want = s.claim_batch.max(1);
+                let claim_started = Instant::now();
+                // Claims smaller than the free slots run side by side, so their commits
+                // share the log flush instead of queueing behind each other.
+                let claimed = claim_concurrently(&self.pool, &s.id, &filter, want, free.div_ceil(want), s.lease).await;
+                metrics::histogram!(airlock_core::metrics::CLAIM_SECONDS).record(claim_started.elapsed().as_secs_f64());
+                let want = want * free.div_ceil(want);
+                match claimed {
                     Ok(jobs) => {
                         db_backoff = Duration::from_millis(100);
                         if !jobs.is_empty() {
@@ -209,23 +243,16 @@ impl Worker {
                                 &self.stats.claims_after_poll
                             });
                         }
-                        claimed_full = jobs.len() == free;
+                        claimed_full = jobs.len() == want;
                         for job in jobs {
                             bump(&self.stats.claimed);
-                            let lease = job.lease();
+                            metrics::counter!(airlock_core::metrics::JOBS_CLAIMED, "kind" => job.kind.clone())
+                                .increment(1);
                             let cancel = CancellationToken::new();
-                            lock(&in_flight).insert(job.id, Held { lease, cancel: cancel.clone() });
-                            let handle = tasks.spawn(execute(
-                                self.pool.clone(),
-                                self.registry.clone(),
-                                job,
-                                cancel,
-                                s.lease,
-                                in_flight.clone(),
-                                self.stats.clone(),
-                            ));
-                            task_leases.insert(handle.id(), lease);
+                            lock(&in_flight).insert(job.id, Held { lease: job.lease(), cancel: cancel.clone() });
+                            ready.push_back((job, cancel));
                         }
+                        start_ready(&mut ready, &mut tasks, &mut task_leases, s.concurrency, &ctx);
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "claim failed; retrying");
@@ -254,6 +281,14 @@ impl Worker {
             }
         }
 
+        // Claimed but never started: give them back at once.
+        for (job, _) in ready.drain(..) {
+            lock(&in_flight).remove(&job.id);
+            match queue::release(&self.pool, job.lease()).await {
+                Ok(()) => bump(&self.stats.released),
+                Err(e) => tracing::warn!(job.id = %job.id, error = %e, "could not release an unstarted job"),
+            }
+        }
         // Soft stop: no new claims; let in-flight jobs finish within the grace period.
         tracing::info!(worker.id = %s.id, in_flight = tasks.len(), "stopping: draining in-flight jobs");
         let deadline = tokio::time::Instant::now() + s.shutdown_grace;
@@ -274,6 +309,8 @@ impl Worker {
                 reap(done, &mut task_leases, &self.pool, &in_flight, &self.stats).await;
             }
         }
+        drop(ctx);
+        drop(completer);
         background.cancel();
         while loops.join_next().await.is_some() {}
         if let Err(e) = airlock_core::fleet::mark_stopped(&self.pool, &s.id).await {
@@ -322,18 +359,140 @@ async fn reap(
     }
 }
 
-/// Runs one claimed job's handler and applies its outcome, fenced on the lease.
-async fn execute(
+/// Runs `n` claims of `want` jobs each at once; all of their jobs, or the first error.
+async fn claim_concurrently(
+    pool: &PgPool,
+    owner: &str,
+    filter: &ClaimFilter,
+    want: usize,
+    n: usize,
+    lease: Duration,
+) -> Result<Vec<Job>, QueueError> {
+    if n <= 1 {
+        return queue::claim_batch(pool, owner, filter, want as i64, lease).await;
+    }
+    let mut set = JoinSet::new();
+    for _ in 0..n {
+        let (pool, owner, filter) = (pool.clone(), owner.to_string(), filter.clone());
+        set.spawn(async move { queue::claim_batch(&pool, &owner, &filter, want as i64, lease).await });
+    }
+    let mut jobs = Vec::new();
+    let mut first_error = None;
+    while let Some(r) = set.join_next().await {
+        match r {
+            Ok(Ok(mut js)) => jobs.append(&mut js),
+            Ok(Err(e)) => first_error = first_error.or(Some(e)),
+            Err(e) => first_error = first_error.or(Some(QueueError::Db(sqlx::Error::Protocol(e.to_string())))),
+        }
+    }
+    // Jobs claimed by the claims that succeeded are kept (they are leased to us).
+    match (jobs.is_empty(), first_error) {
+        (true, Some(e)) => Err(e),
+        _ => Ok(jobs),
+    }
+}
+
+/// What every job execution needs from its worker.
+#[derive(Clone)]
+struct ExecCtx {
     pool: PgPool,
     registry: Arc<Registry>,
-    job: Job,
-    cancel: CancellationToken,
     lease_len: Duration,
     in_flight: InFlight,
     stats: Arc<WorkerStats>,
-) -> Ended {
+    /// Batches completions into one statement; `None` completes each job on its own.
+    completer: Option<mpsc::Sender<Completion>>,
+}
+
+/// Starts buffered jobs while there are free slots; drops those whose lease was lost
+/// while they waited.
+fn start_ready(
+    ready: &mut VecDeque<(Job, CancellationToken)>,
+    tasks: &mut JoinSet<Ended>,
+    task_leases: &mut HashMap<tokio::task::Id, Lease>,
+    concurrency: usize,
+    ctx: &ExecCtx,
+) {
+    while tasks.len() < concurrency {
+        let Some((job, cancel)) = ready.pop_front() else { return };
+        if cancel.is_cancelled() {
+            lock(&ctx.in_flight).remove(&job.id);
+            continue;
+        }
+        let lease = job.lease();
+        let handle = tasks.spawn(execute(ctx.clone(), job, cancel));
+        task_leases.insert(handle.id(), lease);
+    }
+}
+
+/// A completion waiting for the next batched statement.
+type Completion = (Lease, oneshot::Sender<Result<(), QueueError>>);
+
+/// Completes jobs in batches: takes what is queued (up to `max`) and completes it in one
+/// statement, so under load many completions share one commit; alone, a completion goes
+/// out at once.
+async fn completion_loop(pool: PgPool, mut rx: mpsc::Receiver<Completion>, max: usize) {
+    let mut batch: Vec<Completion> = Vec::with_capacity(max);
+    while let Some(first) = rx.recv().await {
+        batch.push(first);
+        while batch.len() < max {
+            match rx.try_recv() {
+                Ok(c) => batch.push(c),
+                Err(_) => break,
+            }
+        }
+        let leases: Vec<Lease> = batch.iter().map(|(l, _)| *l).collect();
+        match queue::complete_many(&pool, &leases).await {
+            Ok(done) => {
+                let done: std::collections::HashSet<Lease> = done.into_iter().collect();
+                for (lease, reply) in batch.drain(..) {
+                    let r = if done.contains(&lease) {
+                        Ok(())
+                    } else {
+                        Err(QueueError::LeaseLost { id: lease.id, attempt: lease.attempt })
+                    };
+                    let _ = reply.send(r);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, jobs = batch.len(), "batched completion failed");
+                let msg = e.to_string();
+                for (_, reply) in batch.drain(..) {
+                    let _ = reply.send(Err(QueueError::Db(sqlx::Error::Protocol(msg.clone()))));
+                }
+            }
+        }
+    }
+}
+
+/// Completes one job, batched when a completer runs.
+async fn complete(ctx: &ExecCtx, lease: Lease) -> Result<(), QueueError> {
+    if let Some(tx) = &ctx.completer {
+        let (reply, answer) = oneshot::channel();
+        if tx.send((lease, reply)).await.is_ok()
+            && let Ok(r) = answer.await
+        {
+            return r;
+        }
+    }
+    queue::complete(&ctx.pool, lease).await
+}
+
+/// Runs one claimed job's handler and applies its outcome, fenced on the lease.
+async fn execute(ctx: ExecCtx, job: Job, cancel: CancellationToken) -> Ended {
+    let ExecCtx { pool, registry, lease_len, in_flight, stats, .. } = ctx.clone();
     let lease = job.lease();
-    let span = tracing::info_span!("job", job.id = %job.id, job.kind = %job.kind, job.attempt = job.attempt);
+    let kind = job.kind.clone();
+    let ended = |outcome: &'static str| {
+        metrics::counter!(airlock_core::metrics::JOBS_ENDED, "kind" => kind.clone(), "outcome" => outcome).increment(1);
+    };
+    let span = tracing::info_span!(
+        "job",
+        job.id = %job.id,
+        job.kind = %job.kind,
+        job.attempt = job.attempt,
+        delivery.id = job.payload.get("delivery_id").and_then(|v| v.as_str()).unwrap_or(""),
+    );
     let started = Instant::now();
     let result = tokio::select! {
         biased;
@@ -341,29 +500,41 @@ async fn execute(
         r = run_handler(&pool, &registry, &job, cancel.clone(), lease_len).instrument(span.clone()) => Some(r),
     };
     lock(&in_flight).remove(&job.id);
+    metrics::histogram!(airlock_core::metrics::JOB_SECONDS, "kind" => job.kind.clone())
+        .record(started.elapsed().as_secs_f64());
     let Some(result) = result else {
+        ended("abandoned");
         return Ended::Abandoned(lease);
     };
     if fault::hit("job.before_complete").await.is_err() {
         return Ended::Abandoned(lease);
     }
     let applied = match result {
-        Ok(Outcome::Completed) => queue::complete(&pool, lease).await.map(|_| bump(&stats.completed)),
+        Ok(Outcome::Completed) => complete(&ctx, lease).await.map(|_| {
+            bump(&stats.completed);
+            ended("completed");
+        }),
         Ok(Outcome::Finalized) => {
             bump(&stats.completed);
+            ended("finalized");
             Ok(())
         }
-        Ok(Outcome::Snooze(d)) => queue::snooze(&pool, lease, d).await,
-        Ok(Outcome::Parked(reason)) => queue::park(&pool, lease, &reason).await.map(|_| bump(&stats.parked)),
+        Ok(Outcome::Snooze(d)) => queue::snooze(&pool, lease, d).await.map(|_| ended("snoozed")),
+        Ok(Outcome::Parked(reason)) => queue::park(&pool, lease, &reason).await.map(|_| {
+            bump(&stats.parked);
+            ended("parked");
+        }),
         Err(HandlerError { message, permanent, delay }) => {
             match queue::fail(&pool, lease, &message, permanent, delay).await {
                 Ok(queue::FailOutcome::Retry) => {
                     bump(&stats.retried);
+                    ended("retried");
                     tracing::info!(parent: &span, error = %message, "job failed; will retry");
                     Ok(())
                 }
                 Ok(queue::FailOutcome::Failed) => {
                     bump(&stats.failed);
+                    ended("failed");
                     tracing::warn!(parent: &span, error = %message, "job failed for good");
                     Ok(())
                 }
@@ -378,6 +549,7 @@ async fn execute(
         }
         Err(QueueError::LeaseLost { .. }) => {
             bump(&stats.lease_lost);
+            ended("lease_lost");
             tracing::warn!(parent: &span, "lease lost: result dropped");
         }
         Err(e) => tracing::error!(parent: &span, error = %e, "could not record job outcome"),
@@ -527,8 +699,16 @@ pub async fn rescue_once(pool: &PgPool, registry: &Registry, batch: i64) -> anyh
                 h.on_rescued(&mut tx, r).await?;
             }
         }
+        if !rescued.is_empty() {
+            fault::hit("rescue.before_commit").await?;
+        }
         tx.commit().await?;
         let c = RescueCounts::of(&rescued);
+        for (outcome, n) in [("retried", c.retried), ("failed", c.failed), ("parked", c.parked)] {
+            if n > 0 {
+                metrics::counter!(airlock_core::metrics::LEASES_RESCUED, "outcome" => outcome).increment(n as u64);
+            }
+        }
         total.retried += c.retried;
         total.failed += c.failed;
         total.parked += c.parked;

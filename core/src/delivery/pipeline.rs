@@ -729,6 +729,11 @@ pub async fn record_outcome(
     let state =
         store::transition(&mut tx, &cur, action, &actor, reason.as_deref(), json!({"attempt_id": attempt_id})).await?;
     tx.commit().await?;
+    metrics::counter!(crate::metrics::SEND_ATTEMPTS, "channel" => d.channel.as_str(), "outcome" => outcome.label())
+        .increment(1);
+    if state == DeliveryState::Sent {
+        metrics::counter!(crate::metrics::RECEIPTS, "channel" => d.channel.as_str()).increment(1);
+    }
     Ok(state)
 }
 

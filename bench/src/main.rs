@@ -1,0 +1,600 @@
+//! `airlock-bench`: measures the queue and the pipeline side by side with the raw ceiling
+//! of the same Postgres, in one run, and writes `bench/results/<date>.json` plus a Markdown
+//! table. Every figure is the median of `--reps` repetitions. Real worker, api and admin
+//! processes are used (built with `--release` by `scripts/bench`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+#[derive(Parser, Debug, Clone)]
+#[command(about = "Benchmarks airlock against the raw ceiling of the same Postgres")]
+struct Args {
+    /// A Postgres server where databases may be created (the maintenance database URL).
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: String,
+    /// Directory with the airlock binaries (release build).
+    #[arg(long, default_value = "target/release")]
+    bin_dir: PathBuf,
+    /// Repetitions per figure (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Jobs in the small drain.
+    #[arg(long, default_value_t = 20_000)]
+    small: i64,
+    /// Jobs in the large drain (0 skips it).
+    #[arg(long, default_value_t = 200_000)]
+    large: i64,
+    /// Completed rows for the growth measurement.
+    #[arg(long, default_value_t = 1_000_000)]
+    growth_rows: i64,
+    /// Deliveries in the end-to-end measurement.
+    #[arg(long, default_value_t = 2_000)]
+    deliveries: usize,
+    /// Where results go.
+    #[arg(long, default_value = "bench/results")]
+    out_dir: PathBuf,
+    /// pgbench binary.
+    #[arg(long, default_value = "pgbench")]
+    pgbench: String,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// A database of its own for one measurement, dropped afterwards.
+struct Db {
+    admin: PgPool,
+    name: String,
+    url: String,
+    pool: PgPool,
+}
+
+impl Db {
+    async fn create(args: &Args, tag: &str) -> anyhow::Result<Self> {
+        let admin = PgPoolOptions::new().max_connections(2).connect(&args.database_url).await?;
+        let name = format!("airlock_bench_{tag}_{}", std::process::id());
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")))
+            .execute(&admin)
+            .await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&admin).await?;
+        let base = args.database_url.rsplit_once('/').map(|(b, _)| b).unwrap_or(&args.database_url);
+        let url = format!("{base}/{name}");
+        let pool = PgPoolOptions::new().max_connections(20).connect(&url).await?;
+        airlock_core::db::migrate(&pool).await?;
+        Ok(Self { admin, name, url, pool })
+    }
+
+    async fn drop(self) -> anyhow::Result<()> {
+        self.pool.close().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name)))
+            .execute(&self.admin)
+            .await?;
+        Ok(())
+    }
+}
+
+/// A child process killed when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Proc {
+    fn pid(&self) -> u32 {
+        self.0.id()
+    }
+    /// Peak resident memory so far (VmHWM), MiB.
+    fn peak_rss_mib(&self) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        status
+            .lines()
+            .find(|l| l.starts_with("VmHWM:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kib| kib.parse::<f64>().ok())
+            .map_or(f64::NAN, |kib| kib / 1024.0)
+    }
+    fn stop(mut self) {
+        let _ = Command::new("kill").arg("-TERM").arg(self.0.id().to_string()).status();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn spawn(bin_dir: &Path, name: &str, args: &[&str], env: &[(&str, String)]) -> anyhow::Result<Proc> {
+    let path = bin_dir.join(name);
+    if !path.exists() {
+        bail!("{} is missing: build with `cargo build --release --workspace --bins`", path.display());
+    }
+    let mut cmd = Command::new(&path);
+    cmd.args(args).env("RUST_LOG", "warn").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    Ok(Proc(cmd.spawn().with_context(|| format!("spawning {name}"))?))
+}
+
+/// Inserts `n` no-op jobs in batches.
+async fn fill(pool: &PgPool, n: i64) -> anyhow::Result<()> {
+    let mut left = n;
+    while left > 0 {
+        let k = left.min(5000);
+        let jobs: Vec<airlock_core::queue::NewJob> =
+            (0..k).map(|_| airlock_core::queue::NewJob::new("diag.sleep", json!({"ms": 0})).queue("bench")).collect();
+        let mut tx = pool.begin().await?;
+        airlock_core::queue::enqueue_many(&mut tx, &jobs).await?;
+        tx.commit().await?;
+        left -= k;
+    }
+    Ok(())
+}
+
+async fn count(pool: &PgPool, sql: &'static str) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(sql).fetch_one(pool).await?)
+}
+
+async fn wait_until(pool: &PgPool, sql: &'static str, want: i64, limit: Duration) -> anyhow::Result<()> {
+    let start = Instant::now();
+    while count(pool, sql).await? < want {
+        if start.elapsed() > limit {
+            bail!("timed out waiting for {want} ({sql})");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// Drains `n` pre-enqueued jobs with `workers` processes; returns (jobs/s, peak RSS MiB).
+async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_rows: i64) -> anyhow::Result<(f64, f64)> {
+    let db = Db::create(args, "drain").await?;
+    if completed_rows > 0 {
+        sqlx::query(
+            r#"INSERT INTO jobs (id, kind, queue, payload, state, attempt, max_attempts, finished_at, created_at)
+               SELECT gen_random_uuid(), 'diag.sleep', 'bench', '{}', 'completed', 1, 1, now(), now()
+               FROM generate_series(1, $1)"#,
+        )
+        .bind(completed_rows)
+        .execute(&db.pool)
+        .await?;
+        sqlx::query("VACUUM ANALYZE jobs").execute(&db.pool).await?;
+    }
+    fill(&db.pool, n).await?;
+    sqlx::query("ANALYZE jobs").execute(&db.pool).await?;
+    airlock_core::queue::pause_queue(&db.pool, "bench", "bench start").await?;
+    let (claim, complete) = if batched { ("100", "100") } else { ("1", "1") };
+    let env = vec![
+        ("DATABASE_URL", db.url.clone()),
+        ("AIRLOCK__WORKER__DIAGNOSTIC_JOBS", "true".into()),
+        ("AIRLOCK__WORKER__CONCURRENCY", "10".into()),
+        ("AIRLOCK__WORKER__CLAIM_BATCH", claim.into()),
+        ("AIRLOCK__WORKER__COMPLETE_BATCH", complete.into()),
+        ("AIRLOCK__WORKER__QUEUES", "bench".into()),
+        ("AIRLOCK__RETENTION__COMPLETED_JOBS_HOURS", "0".into()),
+        ("AIRLOCK__DATABASE__MAX_CONNECTIONS", "16".into()),
+    ];
+    let procs: Vec<Proc> =
+        (0..workers).map(|_| spawn(&args.bin_dir, "airlock-worker", &[], &env)).collect::<anyhow::Result<_>>()?;
+    wait_until(
+        &db.pool,
+        "SELECT count(*) FROM workers WHERE stopped_at IS NULL",
+        workers as i64,
+        Duration::from_secs(60),
+    )
+    .await?;
+    let before = count(&db.pool, "SELECT count(*) FROM jobs WHERE state = 'completed'").await?;
+    let start = Instant::now();
+    airlock_core::queue::resume_queue(&db.pool, "bench").await?;
+    let want = before + n;
+    wait_until(&db.pool, "SELECT count(*) FROM jobs WHERE state = 'completed'", want, Duration::from_secs(1800))
+        .await?;
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let rss = procs.iter().map(Proc::peak_rss_mib).fold(0.0, f64::max);
+    for p in procs {
+        p.stop();
+    }
+    db.drop().await?;
+    Ok((rate, rss))
+}
+
+/// Enqueue throughput: one job per transaction, and 1000 per statement.
+async fn enqueue_rates(args: &Args) -> anyhow::Result<(f64, f64)> {
+    let db = Db::create(args, "enqueue").await?;
+    let single_n = 3000;
+    let start = Instant::now();
+    // Ten concurrent producers, one job per transaction, as agents submit.
+    let mut handles = Vec::new();
+    for _ in 0..10 {
+        let pool = db.pool.clone();
+        handles.push(tokio::spawn(async move {
+            for _ in 0..single_n / 10 {
+                let mut tx = pool.begin().await?;
+                airlock_core::queue::enqueue(
+                    &mut tx,
+                    &airlock_core::queue::NewJob::new("diag.sleep", json!({})).queue("x"),
+                )
+                .await?;
+                tx.commit().await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for h in handles {
+        h.await??;
+    }
+    let single = single_n as f64 / start.elapsed().as_secs_f64();
+    let batch_n = 100_000;
+    let start = Instant::now();
+    fill(&db.pool, batch_n).await?;
+    let batched = batch_n as f64 / start.elapsed().as_secs_f64();
+    db.drop().await?;
+    Ok((single, batched))
+}
+
+/// Enqueue-to-start latency at a steady rate with idle workers (ms: p50, p99, max).
+async fn latency(args: &Args, rate: u64, seconds: u64) -> anyhow::Result<(f64, f64, f64)> {
+    let db = Db::create(args, "latency").await?;
+    let env = vec![
+        ("DATABASE_URL", db.url.clone()),
+        ("AIRLOCK__WORKER__DIAGNOSTIC_JOBS", "true".into()),
+        ("AIRLOCK__WORKER__CONCURRENCY", "10".into()),
+        ("AIRLOCK__WORKER__QUEUES", "bench".into()),
+    ];
+    let worker = spawn(&args.bin_dir, "airlock-worker", &[], &env)?;
+    wait_until(&db.pool, "SELECT count(*) FROM workers WHERE stopped_at IS NULL", 1, Duration::from_secs(60)).await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let total = rate * seconds;
+    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
+    for _ in 0..total {
+        tick.tick().await;
+        let mut tx = db.pool.begin().await?;
+        airlock_core::queue::enqueue(
+            &mut tx,
+            &airlock_core::queue::NewJob::new("diag.sleep", json!({"ms": 0})).queue("bench"),
+        )
+        .await?;
+        tx.commit().await?;
+    }
+    wait_until(&db.pool, "SELECT count(*) FROM jobs WHERE state = 'completed'", total as i64, Duration::from_secs(120))
+        .await?;
+    // Both ends on the database clock: enqueue commit (created_at) to claim (attempted_at).
+    let mut ms: Vec<f64> =
+        sqlx::query_scalar("SELECT extract(epoch FROM attempted_at - created_at)::float8 * 1000 FROM jobs")
+            .fetch_all(&db.pool)
+            .await?;
+    ms.sort_by(f64::total_cmp);
+    worker.stop();
+    db.drop().await?;
+    Ok((percentile(&ms, 0.5), percentile(&ms, 0.99), ms.last().copied().unwrap_or(f64::NAN)))
+}
+
+/// The raw ceiling: pgbench claiming and completing 1 or 100 rows per transaction with
+/// SKIP LOCKED at 10 clients, on the same server.
+async fn ceiling(args: &Args, per_tx: i64) -> anyhow::Result<f64> {
+    let db = Db::create(args, "ceiling").await?;
+    sqlx::query(
+        "CREATE TABLE pgq (id bigserial PRIMARY KEY, state text NOT NULL, payload jsonb NOT NULL DEFAULT '{}')",
+    )
+    .execute(&db.pool)
+    .await?;
+    sqlx::query("CREATE INDEX pgq_avail ON pgq (id) WHERE state = 'available'").execute(&db.pool).await?;
+    let rows = if per_tx == 1 { 200_000 } else { 2_000_000 };
+    sqlx::query("INSERT INTO pgq (state) SELECT 'available' FROM generate_series(1, $1)")
+        .bind(rows)
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("VACUUM ANALYZE pgq").execute(&db.pool).await?;
+    let script = std::env::temp_dir().join(format!("airlock-bench-{per_tx}.sql"));
+    std::fs::write(
+        &script,
+        format!(
+            "UPDATE pgq SET state = 'done' WHERE id IN (SELECT id FROM pgq WHERE state = 'available' ORDER BY id LIMIT {per_tx} FOR UPDATE SKIP LOCKED);\n"
+        ),
+    )?;
+    let out = Command::new(&args.pgbench)
+        .args(["-n", "-c", "10", "-j", "2", "-T", "10", "-f"])
+        .arg(&script)
+        .arg(&db.url)
+        .output()
+        .context("running pgbench")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let tps = text
+        .lines()
+        .find(|l| l.starts_with("tps = "))
+        .and_then(|l| l.split_whitespace().nth(2))
+        .and_then(|v| v.parse::<f64>().ok())
+        .with_context(|| format!("pgbench output: {text} {}", String::from_utf8_lossy(&out.stderr)))?;
+    db.drop().await?;
+    Ok(tps * per_tx as f64)
+}
+
+/// Deliveries per second from POST to `sent` through real api, admin and worker processes,
+/// approved by a standing grant, sent to a local SMTP sink; and the journey's p50/p99 (ms).
+async fn pipeline(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
+    let db = Db::create(args, "pipeline").await?;
+    let dir = std::env::temp_dir().join(format!("airlock-bench-smtp-{}", std::process::id()));
+    let smtp_port = free_port()?;
+    let sink = spawn(&args.bin_dir, "airlock-dev-smtp", &[&smtp_port.to_string(), &dir.display().to_string()], &[])?;
+    let ca = dir.join("ca.pem");
+    let start = Instant::now();
+    while !ca.exists() {
+        if start.elapsed() > Duration::from_secs(30) {
+            bail!("the SMTP sink did not start");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (api_port, admin_port) = (free_port()?, free_port()?);
+    let env = vec![
+        ("DATABASE_URL", db.url.clone()),
+        ("AIRLOCK__API__LISTEN", format!("127.0.0.1:{api_port}")),
+        ("AIRLOCK__ADMIN__LISTEN", format!("127.0.0.1:{admin_port}")),
+        ("AIRLOCK__SMTP__HOST", "127.0.0.1".into()),
+        ("AIRLOCK__SMTP__PORT", smtp_port.to_string()),
+        ("AIRLOCK__SMTP__CA_FILE", ca.display().to_string()),
+        ("AIRLOCK__DELIVERY__SENDERS", "@example.com".into()),
+        ("AIRLOCK__DELIVERY__KNOWN_DOMAINS", "example.org".into()),
+        ("AIRLOCK__WORKER__CONCURRENCY", "32".into()),
+        ("AIRLOCK__DATABASE__MAX_CONNECTIONS", "40".into()),
+    ];
+    let api = spawn(&args.bin_dir, "airlock-api", &[], &env)?;
+    let admin = spawn(&args.bin_dir, "airlock-admin", &["serve"], &env)?;
+    let workers: Vec<Proc> =
+        (0..2).map(|_| spawn(&args.bin_dir, "airlock-worker", &[], &env)).collect::<anyhow::Result<_>>()?;
+    let token = |role: &str, name: &str| -> anyhow::Result<String> {
+        let mut cmd = Command::new(args.bin_dir.join("airlock-admin"));
+        cmd.args(["token", "create", "--role", role, "--name", name]);
+        if role == "agent" {
+            cmd.args(["--agent", "bench-agent"]);
+        }
+        let out = cmd.env("DATABASE_URL", &db.url).env("RUST_LOG", "error").output()?;
+        Ok(String::from_utf8(out.stdout)?.trim().to_string())
+    };
+    let agent = token("agent", "bench-agent")?;
+    let operator = token("operator", "bench-operator")?;
+    let http = reqwest::Client::new();
+    let api_url = format!("http://127.0.0.1:{api_port}");
+    let admin_url = format!("http://127.0.0.1:{admin_port}");
+    for _ in 0..600 {
+        if http.get(format!("{api_url}/readyz")).send().await.is_ok_and(|r| r.status().is_success())
+            && http.get(format!("{admin_url}/readyz")).send().await.is_ok_and(|r| r.status().is_success())
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let client = http.clone();
+    let post = move |url: String, token: String, body: Value| {
+        let http = client.clone();
+        async move {
+            let r = http.post(url).bearer_auth(token).json(&body).send().await?;
+            let status = r.status();
+            let v: Value = r.json().await.unwrap_or(Value::Null);
+            anyhow::ensure!(status.is_success(), "{status}: {v}");
+            anyhow::Ok(v)
+        }
+    };
+    post(
+        format!("{admin_url}/admin/v1/grants"),
+        operator.clone(),
+        json!({"channel": "email", "agent_ids": ["bench-agent"], "recipient_domains": ["example.org"], "min_score": 0.5,
+               "expires_at": (chrono::Utc::now() + chrono::Duration::hours(2)).to_rfc3339(), "max_uses": 1_000_000,
+               "reason": "benchmark"}),
+    )
+    .await?;
+    let r = http
+        .put(format!("{admin_url}/admin/v1/send-enabled"))
+        .bearer_auth(&operator)
+        .json(&json!({"enabled": true, "reason": "benchmark"}))
+        .send()
+        .await?;
+    anyhow::ensure!(r.status().is_success(), "switch: {}", r.status());
+    let run = post(format!("{api_url}/v1/runs"), agent.clone(), json!({"budget": {"max_steps": 0}})).await?;
+    let run_id = run["id"].as_str().context("run id")?.to_string();
+    let n = args.deliveries;
+    let start = Instant::now();
+    let mut handles = Vec::new();
+    for c in 0..16 {
+        let (post, agent, api_url, run_id) = (post.clone(), agent.clone(), api_url.clone(), run_id.clone());
+        handles.push(tokio::spawn(async move {
+            let mut i = c;
+            while i < n {
+                post(
+                    format!("{api_url}/v1/deliveries"),
+                    agent.clone(),
+                    json!({"run_id": run_id, "step_id": format!("s{i}"), "channel": "email",
+                           "email": {"from": "agent@example.com", "to": ["reader@example.org"],
+                                     "subject": format!("Report {i}"), "text": "The numbers are in."}}),
+                )
+                .await?;
+                i += 16;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for h in handles {
+        h.await??;
+    }
+    wait_until(&db.pool, "SELECT count(*) FROM receipts", n as i64, Duration::from_secs(1800)).await?;
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let mut ms: Vec<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM r.sent_at - d.created_at)::float8 * 1000 FROM receipts r JOIN deliveries d ON d.id = r.delivery_id",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    ms.sort_by(f64::total_cmp);
+    for w in workers {
+        w.stop();
+    }
+    api.stop();
+    admin.stop();
+    drop(sink);
+    let _ = std::fs::remove_dir_all(&dir);
+    db.drop().await?;
+    Ok((rate, percentile(&ms, 0.5), percentile(&ms, 0.99)))
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+async fn reps<F, Fut>(n: usize, what: &str, mut f: F) -> anyhow::Result<Vec<f64>>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<f64>>,
+{
+    let mut out = Vec::new();
+    for i in 0..n {
+        let v = f().await?;
+        eprintln!("  {what} #{}: {v:.1}", i + 1);
+        out.push(v);
+    }
+    Ok(out)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    airlock_core::telemetry::install_crypto_provider();
+    let args = Args::parse();
+    let r = args.reps.max(1);
+    let mut results = serde_json::Map::new();
+    let mut rss_seen: f64 = 0.0;
+    let put = |m: &mut serde_json::Map<String, Value>, k: &str, v: f64| {
+        m.insert(k.to_string(), json!((v * 100.0).round() / 100.0));
+    };
+
+    eprintln!("ceiling (pgbench, 10 clients, SKIP LOCKED)");
+    let c1 = median(reps(r, "claim1 jobs/s", || ceiling(&args, 1)).await?);
+    let c100 = median(reps(r, "claim100 jobs/s", || ceiling(&args, 100)).await?);
+    put(&mut results, "ceiling_claim1_jobs_per_sec", c1);
+    put(&mut results, "ceiling_claim100_jobs_per_sec", c100);
+
+    for (label, n) in [("small", args.small), ("large", args.large)] {
+        if n == 0 {
+            continue;
+        }
+        for workers in [1usize, 2] {
+            for batched in [false, true] {
+                let mode = if batched { "batched" } else { "per_job" };
+                eprintln!("drain {n} jobs, {workers} worker(s), {mode}");
+                let mut rates = Vec::new();
+                for i in 0..r {
+                    let (rate, rss) = drain(&args, n, workers, batched, 0).await?;
+                    eprintln!("  #{}: {rate:.0} jobs/s, peak RSS {rss:.1} MiB", i + 1);
+                    rss_seen = rss_seen.max(rss);
+                    rates.push(rate);
+                }
+                put(&mut results, &format!("drain_{label}_{workers}w_{mode}_jobs_per_sec"), median(rates));
+            }
+        }
+    }
+    let per_job = results.get("drain_small_1w_per_job_jobs_per_sec").and_then(Value::as_f64).unwrap_or(f64::NAN);
+    let batched = results.get("drain_small_1w_batched_jobs_per_sec").and_then(Value::as_f64).unwrap_or(f64::NAN);
+    let best_batched =
+        results.iter().filter(|(k, _)| k.contains("_batched_")).filter_map(|(_, v)| v.as_f64()).fold(batched, f64::max);
+    put(&mut results, "drain_jobs_per_sec", per_job);
+    put(&mut results, "batched_drain_jobs_per_sec", best_batched);
+    put(&mut results, "drain_ratio_to_ceiling", per_job / c1);
+    put(&mut results, "batched_drain_ratio_to_ceiling", best_batched / c100);
+
+    eprintln!("enqueue throughput");
+    let mut singles = Vec::new();
+    let mut batches = Vec::new();
+    for _ in 0..r {
+        let (s, b) = enqueue_rates(&args).await?;
+        eprintln!("  single {s:.0}/s, batched {b:.0}/s");
+        singles.push(s);
+        batches.push(b);
+    }
+    put(&mut results, "enqueue_single_jobs_per_sec", median(singles));
+    put(&mut results, "enqueue_batched_jobs_per_sec", median(batches));
+
+    eprintln!("enqueue-to-start latency at 200 jobs/s");
+    let (mut p50s, mut p99s, mut maxes) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..r {
+        let (p50, p99, max) = latency(&args, 200, 15).await?;
+        eprintln!("  p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms");
+        p50s.push(p50);
+        p99s.push(p99);
+        maxes.push(max);
+    }
+    put(&mut results, "enqueue_to_start_p50_ms", median(p50s));
+    put(&mut results, "enqueue_to_start_p99_ms", median(p99s));
+    put(&mut results, "enqueue_to_start_max_ms", median(maxes));
+
+    eprintln!("claim cost as the table grows");
+    let mut small_rates = Vec::new();
+    let mut big_rates = Vec::new();
+    for _ in 0..r {
+        let (a, _) = drain(&args, args.small, 1, false, 10_000).await?;
+        let (b, rss) = drain(&args, args.small, 1, false, args.growth_rows).await?;
+        rss_seen = rss_seen.max(rss);
+        eprintln!("  10k completed: {a:.0}/s, {} completed: {b:.0}/s", args.growth_rows);
+        small_rates.push(a);
+        big_rates.push(b);
+    }
+    let (a, b) = (median(small_rates), median(big_rates));
+    put(&mut results, "drain_with_10k_completed_jobs_per_sec", a);
+    put(&mut results, "drain_with_1m_completed_jobs_per_sec", b);
+    put(&mut results, "growth_ratio_1m_vs_10k", b / a);
+
+    eprintln!("end-to-end pipeline, {} deliveries", args.deliveries);
+    let (mut rates, mut p50s, mut p99s) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..r {
+        let (rate, p50, p99) = pipeline(&args).await?;
+        eprintln!("  {rate:.0} deliveries/s, journey p50 {p50:.0} ms, p99 {p99:.0} ms");
+        rates.push(rate);
+        p50s.push(p50);
+        p99s.push(p99);
+    }
+    put(&mut results, "pipeline_deliveries_per_sec", median(rates));
+    put(&mut results, "pipeline_p50_ms", median(p50s));
+    put(&mut results, "pipeline_p99_ms", median(p99s));
+    put(&mut results, "worker_peak_rss_mib", rss_seen);
+
+    let machine = json!({
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "postgres": sqlx::query_scalar::<_, String>("SHOW server_version")
+            .fetch_one(&PgPoolOptions::new().max_connections(1).connect(&args.database_url).await?)
+            .await?,
+        "reps": r,
+    });
+    let date = chrono::Utc::now().format("%Y-%m-%d").to_string();
+    let mut doc = Value::Object(results.clone());
+    doc["date"] = json!(date);
+    doc["machine"] = machine;
+    std::fs::create_dir_all(&args.out_dir)?;
+    let path = args.out_dir.join(format!("{date}.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")?;
+    let mut table = String::from("| figure | value |\n| --- | --- |\n");
+    for (k, v) in &results {
+        table.push_str(&format!("| `{k}` | {v} |\n"));
+    }
+    std::fs::write(args.out_dir.join(format!("{date}.md")), &table)?;
+    println!("{table}");
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}

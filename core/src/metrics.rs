@@ -1,0 +1,88 @@
+//! Prometheus metrics, the same names in every process.
+//!
+//! Counters and histograms are recorded where things happen (the worker runtime, the send
+//! path, the HTTP layer); gauges of queue depth, deliveries by state and the send switch
+//! are sampled from Postgres when `/metrics` is scraped, so every process reports the
+//! same, current picture.
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use sqlx::PgPool;
+
+/// Jobs claimed, by kind.
+pub const JOBS_CLAIMED: &str = "airlock_jobs_claimed_total";
+/// Jobs that ended, by kind and outcome (completed, retried, failed, parked, lease_lost).
+pub const JOBS_ENDED: &str = "airlock_jobs_ended_total";
+/// Seconds one claim statement took.
+pub const CLAIM_SECONDS: &str = "airlock_claim_seconds";
+/// Seconds a handler ran, by kind.
+pub const JOB_SECONDS: &str = "airlock_job_seconds";
+/// Expired leases the rescuer moved, by outcome (retried, failed, parked).
+pub const LEASES_RESCUED: &str = "airlock_leases_rescued_total";
+/// Jobs by kind and state, sampled.
+pub const QUEUE_DEPTH: &str = "airlock_queue_depth";
+/// Deliveries by state, sampled.
+pub const DELIVERIES: &str = "airlock_deliveries";
+/// Send attempts by channel and outcome.
+pub const SEND_ATTEMPTS: &str = "airlock_send_attempts_total";
+/// Receipts written, by channel.
+pub const RECEIPTS: &str = "airlock_receipts_total";
+/// 1 when sending is on, 0 when off, sampled.
+pub const SEND_ENABLED: &str = "airlock_send_enabled";
+/// HTTP requests by service, method, route and status.
+pub const HTTP_REQUESTS: &str = "airlock_http_requests_total";
+
+/// Every metric name, for documentation and tests.
+pub const ALL: &[&str] = &[
+    JOBS_CLAIMED,
+    JOBS_ENDED,
+    CLAIM_SECONDS,
+    JOB_SECONDS,
+    LEASES_RESCUED,
+    QUEUE_DEPTH,
+    DELIVERIES,
+    SEND_ATTEMPTS,
+    RECEIPTS,
+    SEND_ENABLED,
+    HTTP_REQUESTS,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process-wide recorder (once) and returns the handle that renders it.
+pub fn install() -> &'static PrometheusHandle {
+    HANDLE.get_or_init(|| {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        // A recorder installed earlier (another component of the same process) keeps
+        // working; this handle then renders an empty registry, so prefer installing early.
+        let _ = metrics::set_global_recorder(recorder);
+        handle
+    })
+}
+
+/// Samples the gauges from the database, then renders everything in Prometheus text.
+pub async fn render(pool: &PgPool) -> String {
+    let handle = install();
+    if let Err(e) = sample(pool).await {
+        tracing::warn!(error = %e, "sampling gauges for /metrics failed");
+    }
+    handle.render()
+}
+
+async fn sample(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let depth: Vec<(String, String, i64)> =
+        sqlx::query_as("SELECT kind, state::text, count(*) FROM jobs GROUP BY kind, state").fetch_all(pool).await?;
+    for (kind, state, n) in depth {
+        metrics::gauge!(QUEUE_DEPTH, "kind" => kind, "state" => state).set(n as f64);
+    }
+    let deliveries: Vec<(String, i64)> =
+        sqlx::query_as("SELECT state::text, count(*) FROM deliveries GROUP BY state").fetch_all(pool).await?;
+    for (state, n) in deliveries {
+        metrics::gauge!(DELIVERIES, "state" => state).set(n as f64);
+    }
+    let on: bool = sqlx::query_scalar("SELECT send_enabled FROM settings WHERE id = 1").fetch_one(pool).await?;
+    metrics::gauge!(SEND_ENABLED).set(if on { 1.0 } else { 0.0 });
+    Ok(())
+}

@@ -21,7 +21,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 use utoipa::{IntoParams, ToSchema};
 
-use crate::server::{AppState, decode_cursor, encode_cursor, page_limit};
+use crate::server::{AppState, decode_cursor, decode_time_cursor, encode_cursor, next_time_cursor, page_limit};
 
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -82,28 +82,11 @@ pub async fn list_tasks(
             Some(TaskState::parse(s).ok_or_else(|| ApiError::Validation(format!("state: unknown state `{s}`")))?)
         }
     };
-    let after = match &q.cursor {
-        None => None,
-        Some(c) => {
-            let raw = decode_cursor(c)?;
-            let (at, id) = raw.split_once('|').ok_or_else(|| ApiError::Validation("cursor: malformed".into()))?;
-            let at = chrono::DateTime::parse_from_rfc3339(at)
-                .map_err(|_| ApiError::Validation("cursor: malformed".into()))?
-                .with_timezone(&chrono::Utc);
-            Some((at, parse_id(id)?))
-        }
-    };
+    let after = decode_time_cursor(q.cursor.as_deref())?;
     let mut rows = store::list_tasks(&pool, state, after, limit + 1).await?;
     let more = rows.len() as i64 > limit;
     rows.truncate(limit as usize);
-    let next = match (more, rows.last()) {
-        (true, Some(t)) => Some(encode_cursor(&format!(
-            "{}|{}",
-            t.created_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-            t.id
-        ))),
-        _ => None,
-    };
+    let next = next_time_cursor(more, rows.last().map(|t| (t.created_at, t.id)));
     Ok(Json(Page { items: rows.iter().map(view::summary).collect(), next }))
 }
 

@@ -135,6 +135,32 @@ pub(crate) fn encode_cursor(s: &str) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s)
 }
 
+/// Reads a `(created_at, id)` cursor of a list ordered oldest first.
+pub(crate) fn decode_time_cursor(
+    cursor: Option<&str>,
+) -> Result<Option<(chrono::DateTime<chrono::Utc>, uuid::Uuid)>, ApiError> {
+    let Some(c) = cursor else { return Ok(None) };
+    let raw = decode_cursor(c)?;
+    let (at, id) = raw.split_once('|').ok_or_else(|| ApiError::Validation("cursor: malformed".into()))?;
+    let at = chrono::DateTime::parse_from_rfc3339(at)
+        .map_err(|_| ApiError::Validation("cursor: malformed".into()))?
+        .with_timezone(&chrono::Utc);
+    Ok(Some((at, parse_id(id)?)))
+}
+
+/// The cursor after the last row of a full page; `None` on the last page.
+pub(crate) fn next_time_cursor(
+    more: bool,
+    last: Option<(chrono::DateTime<chrono::Utc>, uuid::Uuid)>,
+) -> Option<String> {
+    match (more, last) {
+        (true, Some((at, id))) => {
+            Some(encode_cursor(&format!("{}|{}", at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true), id)))
+        }
+        _ => None,
+    }
+}
+
 pub(crate) fn decode_cursor(c: &str) -> Result<String, ApiError> {
     base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(c)
@@ -157,28 +183,11 @@ async fn list_deliveries(
             Some(DeliveryState::parse(s).ok_or_else(|| ApiError::Validation(format!("state: unknown state `{s}`")))?)
         }
     };
-    let after = match &q.cursor {
-        None => None,
-        Some(c) => {
-            let raw = decode_cursor(c)?;
-            let (at, id) = raw.split_once('|').ok_or_else(|| ApiError::Validation("cursor: malformed".into()))?;
-            let at = chrono::DateTime::parse_from_rfc3339(at)
-                .map_err(|_| ApiError::Validation("cursor: malformed".into()))?
-                .with_timezone(&chrono::Utc);
-            Some((at, parse_id(id)?))
-        }
-    };
+    let after = decode_time_cursor(q.cursor.as_deref())?;
     let rows = store::list(&pool, state, after, limit + 1).await?;
     let more = rows.len() as i64 > limit;
     let rows = &rows[..rows.len().min(limit as usize)];
-    let next = match (more, rows.last()) {
-        (true, Some(last)) => Some(encode_cursor(&format!(
-            "{}|{}",
-            last.created_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-            last.id
-        ))),
-        _ => None,
-    };
+    let next = next_time_cursor(more, rows.last().map(|last| (last.created_at, last.id)));
     Ok(Json(Page { items: rows.iter().map(view::summary).collect(), next }))
 }
 

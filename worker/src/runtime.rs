@@ -621,6 +621,21 @@ async fn listen_loop(pool: PgPool, wake: Arc<Notify>, stats: Arc<WorkerStats>, s
     }
 }
 
+/// A ticker that skips missed ticks instead of bursting after a stall.
+fn ticker(every: Duration) -> tokio::time::Interval {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick
+}
+
+/// Waits for the next tick; false once `stop` fires.
+async fn next_tick(tick: &mut tokio::time::Interval, stop: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        _ = tick.tick() => true,
+    }
+}
+
 /// Extends the leases of in-flight jobs every lease/3 and refreshes the worker row.
 async fn heartbeat_loop(
     pool: PgPool,
@@ -630,13 +645,8 @@ async fn heartbeat_loop(
     stop: CancellationToken,
 ) {
     let every = (s.lease / 3).min(s.heartbeat_interval).max(Duration::from_millis(200));
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {}
-        }
+    let mut tick = ticker(every);
+    while next_tick(&mut tick, &stop).await {
         let leases: Vec<Lease> = lock(&in_flight).values().map(|h| h.lease).collect();
         match queue::heartbeat_many(&pool, &leases, s.lease).await {
             Ok(held) => {
@@ -667,13 +677,8 @@ async fn rescue_loop(
     stats: Arc<WorkerStats>,
     stop: CancellationToken,
 ) {
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {}
-        }
+    let mut tick = ticker(interval);
+    while next_tick(&mut tick, &stop).await {
         match rescue_once(&pool, &registry, 100).await {
             Ok(c) => {
                 let n = (c.retried + c.failed + c.parked) as u64;
@@ -726,13 +731,8 @@ async fn retention_loop(
     stats: Arc<WorkerStats>,
     stop: CancellationToken,
 ) {
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {}
-        }
+    let mut tick = ticker(interval);
+    while next_tick(&mut tick, &stop).await {
         loop {
             match queue::prune_finished(&pool, age, batch).await {
                 Ok(n) => {

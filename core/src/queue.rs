@@ -282,22 +282,29 @@ pub struct ClaimFilter {
 
 /// Claims up to `limit` available jobs for `owner`, bumping each one's attempt, in one
 /// statement. Paused queues are skipped. Jobs come back in claim order.
+///
+/// The paused queues are read first and passed as a value: a filter the planner cannot
+/// estimate (a sub-select of pauses) makes it sort the whole backlog instead of walking
+/// the partial index, which collapses under a backlog. For the same reason the pools of
+/// [`crate::db::connect`] plan every statement with its actual values
+/// (`plan_cache_mode = force_custom_plan`) rather than with a generic plan.
 #[tracing::instrument(skip_all, fields(worker.id = owner, limit))]
 pub async fn claim_batch(
-    db: impl PgExecutor<'_>,
+    db: &sqlx::PgPool,
     owner: &str,
     filter: &ClaimFilter,
     limit: i64,
     lease: Duration,
 ) -> Result<Vec<Job>, QueueError> {
+    let paused: Vec<String> =
+        sqlx::query_scalar("SELECT coalesce(array_agg(queue), '{}') FROM queue_pauses").fetch_one(db).await?;
     let mut jobs: Vec<Job> = sqlx::query_as(
         r#"
         WITH picked AS (
             SELECT id FROM jobs
             WHERE state = 'available' AND run_at <= now()
               AND ($2::text[] IS NULL OR queue = ANY($2))
-              AND queue <> ALL (ARRAY(SELECT queue FROM queue_pauses))
-              AND attempt < max_attempts
+              AND queue <> ALL ($5::text[])
             ORDER BY priority, run_at, id
             LIMIT $3
             FOR UPDATE SKIP LOCKED
@@ -314,6 +321,7 @@ pub async fn claim_batch(
     .bind(filter.queues.as_ref())
     .bind(limit)
     .bind(lease.as_secs_f64())
+    .bind(&paused)
     .fetch_all(db)
     .await?;
     jobs.sort_by_key(|j| (j.priority, j.run_at, j.id));
@@ -362,6 +370,22 @@ pub async fn heartbeat_many(
 
 fn fenced(r: sqlx::postgres::PgQueryResult, lease: Lease) -> Result<(), QueueError> {
     if r.rows_affected() == 0 { Err(QueueError::lost(lease)) } else { Ok(()) }
+}
+
+/// Checks, by the database clock, that the lease is still held and has not run out. A
+/// holder calls it right before its external effect: one that stalled after committing
+/// its attempt (a paused process, a frozen VM) past its lease finds the job taken over
+/// and must not perform the effect the rescuer has already settled.
+pub async fn ensure_held(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), QueueError> {
+    let held: Option<i32> = sqlx::query_scalar(
+        r#"SELECT 1 FROM jobs
+           WHERE id = $1 AND attempt = $2 AND state = 'running' AND lease_expires_at > now()"#,
+    )
+    .bind(lease.id)
+    .bind(lease.attempt)
+    .fetch_optional(db)
+    .await?;
+    held.map(|_| ()).ok_or(QueueError::lost(lease))
 }
 
 /// Records that the job's external effect may start now. Call it inside the transaction

@@ -218,66 +218,87 @@ impl Worker {
             completer: completer.clone(),
         };
         let filter = ClaimFilter { queues: s.queues.clone() };
+        let want = s.claim_batch.max(1);
+        // Claims run as tasks of their own, so claiming overlaps running and completing: in
+        // per-job mode every free slot has its claim in flight (their commits share log
+        // flushes); in batched mode the next batch is claimed while half of the buffer
+        // remains.
+        let mut claims: JoinSet<ClaimResult> = JoinSet::new();
+        let mut reserved = 0usize;
+        // The last claim came back short (or failed): wait for a wake-up before claiming.
+        let mut idle = false;
         let mut woke_by_notify = false;
         let mut db_backoff = Duration::from_millis(100);
+        let mut backoff_until: Option<tokio::time::Instant> = None;
 
         while !shutdown.is_cancelled() {
             start_ready(&mut ready, &mut tasks, &mut task_leases, s.concurrency, &ctx);
-            let free = s.concurrency.saturating_sub(tasks.len());
-            let mut claimed_full = false;
-            if free > 0 && ready.is_empty() {
-                let want = s.claim_batch.max(1);
-                let claim_started = Instant::now();
-                // Claims smaller than the free slots run side by side, so their commits
-                // share the log flush instead of queueing behind each other.
-                let claimed = claim_concurrently(&self.pool, &s.id, &filter, want, free.div_ceil(want), s.lease).await;
-                metrics::histogram!(airlock_core::metrics::CLAIM_SECONDS).record(claim_started.elapsed().as_secs_f64());
-                let want = want * free.div_ceil(want);
-                match claimed {
-                    Ok(jobs) => {
-                        db_backoff = Duration::from_millis(100);
-                        if !jobs.is_empty() {
-                            bump(if woke_by_notify {
-                                &self.stats.claims_after_notify
-                            } else {
-                                &self.stats.claims_after_poll
-                            });
-                        }
-                        claimed_full = jobs.len() == want;
-                        for job in jobs {
-                            bump(&self.stats.claimed);
-                            metrics::counter!(airlock_core::metrics::JOBS_CLAIMED, "kind" => job.kind.clone())
-                                .increment(1);
-                            let cancel = CancellationToken::new();
-                            lock(&in_flight).insert(job.id, Held { lease: job.lease(), cancel: cancel.clone() });
-                            ready.push_back((job, cancel));
-                        }
-                        start_ready(&mut ready, &mut tasks, &mut task_leases, s.concurrency, &ctx);
+            if !idle && backoff_until.is_none() {
+                if want < s.concurrency {
+                    let free = s.concurrency.saturating_sub(tasks.len() + ready.len() + reserved);
+                    for _ in 0..free / want {
+                        spawn_claim(&mut claims, &self.pool, &s.id, &filter, want, s.lease, woke_by_notify);
+                        reserved += want;
                     }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "claim failed; retrying");
-                        tokio::select! {
-                            _ = shutdown.cancelled() => break,
-                            _ = tokio::time::sleep(db_backoff) => {}
-                        }
-                        db_backoff = (db_backoff * 2).min(Duration::from_secs(5));
-                        continue;
-                    }
+                } else if claims.is_empty()
+                    && ready.len() * 2 < want
+                    && tasks.len() + ready.len() < s.concurrency + want
+                {
+                    spawn_claim(&mut claims, &self.pool, &s.id, &filter, want, s.lease, woke_by_notify);
                 }
             }
             woke_by_notify = false;
-            if claimed_full && tasks.len() < s.concurrency {
-                continue;
-            }
-            let has_room = tasks.len() < s.concurrency;
+            let has_room = tasks.len() + ready.len() < s.concurrency;
+            let backoff = backoff_until;
             tokio::select! {
                 _ = shutdown.cancelled() => break,
-                _ = wake.notified(), if has_room => { woke_by_notify = true; }
+                Some(done) = claims.join_next() => {
+                    let Ok(done) = done else { continue };
+                    reserved = reserved.saturating_sub(if want < s.concurrency { want } else { 0 });
+                    metrics::histogram!(airlock_core::metrics::CLAIM_SECONDS).record(done.took.as_secs_f64());
+                    match done.jobs {
+                        Ok(jobs) => {
+                            db_backoff = Duration::from_millis(100);
+                            if jobs.len() < want {
+                                idle = true;
+                            }
+                            if !jobs.is_empty() {
+                                bump(if done.after_notify { &self.stats.claims_after_notify } else { &self.stats.claims_after_poll });
+                            }
+                            for job in jobs {
+                                bump(&self.stats.claimed);
+                                metrics::counter!(airlock_core::metrics::JOBS_CLAIMED, "kind" => job.kind.clone())
+                                    .increment(1);
+                                let cancel = CancellationToken::new();
+                                lock(&in_flight).insert(job.id, Held { lease: job.lease(), cancel: cancel.clone() });
+                                ready.push_back((job, cancel));
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "claim failed; retrying");
+                            backoff_until = Some(tokio::time::Instant::now() + db_backoff);
+                            db_backoff = (db_backoff * 2).min(Duration::from_secs(5));
+                        }
+                    }
+                }
                 Some(done) = tasks.join_next_with_id() => {
                     reap(done, &mut task_leases, &self.pool, &in_flight, &self.stats).await;
-                    // Fill the freed slot right away: more work is likely waiting.
                 }
-                _ = tokio::time::sleep(s.poll_interval), if has_room => {}
+                _ = wake.notified(), if has_room => { idle = false; woke_by_notify = true; }
+                _ = tokio::time::sleep(s.poll_interval), if has_room && idle => { idle = false; }
+                _ = async { if let Some(t) = backoff { tokio::time::sleep_until(t).await } }, if backoff.is_some() => {
+                    backoff_until = None;
+                }
+            }
+        }
+
+        // Claims still in flight: their jobs join the buffer and are given back with it.
+        while let Some(done) = claims.join_next().await {
+            if let Ok(ClaimResult { jobs: Ok(jobs), .. }) = done {
+                for job in jobs {
+                    lock(&in_flight).insert(job.id, Held { lease: job.lease(), cancel: CancellationToken::new() });
+                    ready.push_back((job, CancellationToken::new()));
+                }
             }
         }
 
@@ -359,37 +380,30 @@ async fn reap(
     }
 }
 
-/// Runs `n` claims of `want` jobs each at once; all of their jobs, or the first error.
-async fn claim_concurrently(
+/// What one claim statement brought back.
+struct ClaimResult {
+    jobs: Result<Vec<Job>, QueueError>,
+    took: Duration,
+    /// The claim was made right after a NOTIFY woke the worker.
+    after_notify: bool,
+}
+
+/// Starts one claim of up to `want` jobs as a task of its own.
+fn spawn_claim(
+    claims: &mut JoinSet<ClaimResult>,
     pool: &PgPool,
     owner: &str,
     filter: &ClaimFilter,
     want: usize,
-    n: usize,
     lease: Duration,
-) -> Result<Vec<Job>, QueueError> {
-    if n <= 1 {
-        return queue::claim_batch(pool, owner, filter, want as i64, lease).await;
-    }
-    let mut set = JoinSet::new();
-    for _ in 0..n {
-        let (pool, owner, filter) = (pool.clone(), owner.to_string(), filter.clone());
-        set.spawn(async move { queue::claim_batch(&pool, &owner, &filter, want as i64, lease).await });
-    }
-    let mut jobs = Vec::new();
-    let mut first_error = None;
-    while let Some(r) = set.join_next().await {
-        match r {
-            Ok(Ok(mut js)) => jobs.append(&mut js),
-            Ok(Err(e)) => first_error = first_error.or(Some(e)),
-            Err(e) => first_error = first_error.or(Some(QueueError::Db(sqlx::Error::Protocol(e.to_string())))),
-        }
-    }
-    // Jobs claimed by the claims that succeeded are kept (they are leased to us).
-    match (jobs.is_empty(), first_error) {
-        (true, Some(e)) => Err(e),
-        _ => Ok(jobs),
-    }
+    after_notify: bool,
+) {
+    let (pool, owner, filter) = (pool.clone(), owner.to_string(), filter.clone());
+    claims.spawn(async move {
+        let started = Instant::now();
+        let jobs = queue::claim_batch(&pool, &owner, &filter, want as i64, lease).await;
+        ClaimResult { jobs, took: started.elapsed(), after_notify }
+    });
 }
 
 /// What every job execution needs from its worker.

@@ -145,10 +145,15 @@ pub async fn get_report(
 ) -> Result<Json<Report>, ApiError> {
     auth.require(Role::Operator)?;
     let hours = q.since_hours.unwrap_or(DEFAULT_REPORT_HOURS);
+    if hours == 0 || hours > MAX_REPORT_HOURS {
+        return Err(ApiError::Validation(format!("since_hours: between 1 and {MAX_REPORT_HOURS}")));
+    }
     Ok(Json(build_report(&state.pool, &state.config.sandbox.tiers, hours).await?))
 }
 
 const DEFAULT_REPORT_HOURS: u32 = 168;
+/// Ten years: beyond that the window is meaningless (and would overflow the clock).
+const MAX_REPORT_HOURS: u32 = 87_600;
 
 async fn build_report(pool: &PgPool, tiers: &Tiers, hours: u32) -> Result<Report, sqlx::Error> {
     let since = chrono::Utc::now() - chrono::Duration::hours(i64::from(hours));
@@ -174,6 +179,10 @@ pub enum SandboxCommand {
 pub async fn run_cli(pool: &PgPool, cfg: &airlock_core::config::Config, cmd: SandboxCommand) -> anyhow::Result<()> {
     match cmd {
         SandboxCommand::Report { since_hours, json } => {
+            anyhow::ensure!(
+                (1..=MAX_REPORT_HOURS).contains(&since_hours),
+                "--since-hours must be between 1 and {MAX_REPORT_HOURS}"
+            );
             let r = build_report(pool, &cfg.sandbox.tiers, since_hours).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);

@@ -4,8 +4,10 @@
 //! safety (after a claim, after a transaction commits, after an effect, ...). Unless a
 //! test armed that point, `hit` is a single relaxed atomic load. A real process arms
 //! points from `AIRLOCK_FAULTS` at start-up: `name=action[,name=action]`, where action is
-//! `abort` (the process dies on the spot, like a SIGKILL), `error` (the step fails), or
-//! `pause` (the step blocks until the process is killed).
+//! `abort` (the process dies on the spot, like a SIGKILL), `error` (the step fails),
+//! `pause` (the step blocks until the process is killed), or `stop` (the whole process
+//! stops itself with SIGSTOP, like a machine frozen at that instruction, and goes on from
+//! there when it gets SIGCONT).
 //!
 //! Every point's name is listed in [`POINTS`], so suites can check they cover each one.
 
@@ -18,10 +20,12 @@ pub const POINTS: &[&str] = &[
     "job.after_claim",
     "job.before_complete",
     "job.after_complete",
+    "rescue.before_commit",
     "send.after_attempt_commit",
     "send.after_effect",
     "send.after_receipt_commit",
     "score.before_commit",
+    "score.after_commit",
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +36,8 @@ pub enum Action {
     Error,
     /// The step never returns (until the process is killed).
     Pause,
+    /// The process sends itself SIGSTOP; the step goes on after SIGCONT.
+    Stop,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +74,7 @@ pub fn arm_from_spec(spec: &str) -> Result<(), String> {
             "abort" => Action::Abort,
             "error" => Action::Error,
             "pause" => Action::Pause,
+            "stop" => Action::Stop,
             other => return Err(format!("fault `{name}`: unknown action `{other}`")),
         };
         arm(name, action);
@@ -98,6 +105,12 @@ pub async fn hit(point: &'static str) -> Result<(), FaultError> {
         }
         Some(Action::Error) => Err(FaultError(point)),
         Some(Action::Pause) => std::future::pending().await,
+        Some(Action::Stop) => {
+            tracing::warn!(fault.point = point, "fault point: stopping the process until SIGCONT");
+            // Every thread stops here at once; the kernel resumes them all on SIGCONT.
+            let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
+            Ok(())
+        }
     }
 }
 

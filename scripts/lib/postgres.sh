@@ -1,6 +1,9 @@
 # Finds a PostgreSQL server that answers, or starts a throwaway one.
 # Source this file, then call `airlock_postgres`; it exports DATABASE_URL and, when it
 # started a cluster, AIRLOCK_PG_STARTED_DIR (stop it with `airlock_postgres_stop`).
+# `airlock_postgres_throwaway` always starts a cluster of its own (for runs that restart
+# or break the server: never the shared one), and `airlock_postgres_restart_cmd` prints
+# the command that restarts it.
 
 _pg_answers() {
   # $1: URL. True when a server accepts a query there.
@@ -41,6 +44,10 @@ airlock_postgres() {
     export DATABASE_URL="$local_url"
     return 0
   fi
+  airlock_postgres_throwaway
+}
+
+airlock_postgres_throwaway() {
   local bin
   bin=$(_pg_bin) || { _pg_install && bin=$(_pg_bin); } || { echo "postgres: no initdb found" >&2; return 1; }
   command -v psql >/dev/null 2>&1 || _pg_install
@@ -63,6 +70,15 @@ airlock_postgres() {
   export AIRLOCK_PG_STARTED_DIR="$dir" AIRLOCK_PG_BIN="$bin"
   export DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"
   echo "postgres: started a throwaway cluster on port $port ($dir)" >&2
+}
+
+airlock_postgres_restart_cmd() {
+  # The shell command that restarts the cluster `airlock_postgres_throwaway` started,
+  # closing every connection at once (`-m fast`) and waiting until it answers again.
+  [ -n "${AIRLOCK_PG_STARTED_DIR:-}" ] || { echo "postgres: no throwaway cluster to restart" >&2; return 1; }
+  local run_as=""
+  [ "$(id -u)" = 0 ] && run_as="runuser -u postgres -- "
+  echo "${run_as}$AIRLOCK_PG_BIN/pg_ctl -D $AIRLOCK_PG_STARTED_DIR/data -l $AIRLOCK_PG_STARTED_DIR/server.log -m fast -w -t 60 restart"
 }
 
 airlock_postgres_stop() {

@@ -7,6 +7,10 @@
 
 pub mod app;
 pub mod capsule;
+pub mod chaos;
 pub mod harness;
+pub mod invariants;
+pub mod pgproxy;
+pub mod reliability;
 pub mod smtp;
 pub mod webhook;

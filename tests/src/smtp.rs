@@ -5,10 +5,11 @@
 //! exactly as it would through a production relay. Certificates come from a throwaway
 //! [`TestCa`], which clients are told to trust.
 //!
-//! Each accepted TCP connection takes one [`Fault`] from a queue, or the default fault
-//! once the queue is empty. A fault fires at most once, at the step it names, which lets a
-//! test make the relay refuse, hang up, or swallow a message without answering, and then
-//! check what the sender did about it.
+//! Each accepted TCP connection takes one [`Fault`] from a queue, or, once the queue is
+//! empty, a random fault (when [`SmtpServer::set_random_faults`] is on) or the default
+//! fault. A fault fires at most once, at the step it names, which lets a test make the
+//! relay refuse, hang up, swallow a message without answering, or hold its answer until
+//! the test releases it, and then check what the sender did about it.
 //!
 //! Invariants tests can rely on:
 //! - a message is in [`SmtpServer::accepted`] *before* its positive reply is written, so a
@@ -16,6 +17,10 @@
 //! - a message that hit [`Fault::DropAfterData`] is in [`SmtpServer::dropped_after_data`]
 //!   and never in `accepted`, so "no message accepted twice" stays checkable while the
 //!   ambiguous case stays visible;
+//! - a message held by [`Fault::HoldAfterData`] is in neither list until
+//!   [`SmtpServer::release_held`]; then it is accepted like any other;
+//! - random faults are drawn from a seeded generator, so a seed replays the same sequence
+//!   of faults for the same sequence of connections;
 //! - dropping the server (or calling [`SmtpServer::stop`]) closes the listening socket and
 //!   every open connection.
 
@@ -183,6 +188,10 @@ pub enum Fault {
     /// After receiving the first payload, reply this instead of 250. The connection stays
     /// open. A 2xx code records the message as accepted.
     ReplyAtDataEnd(u16, String),
+    /// Receive the whole payload, then answer nothing until [`SmtpServer::release_held`];
+    /// then accept it with 250. It keeps a sender between its effect and its record for as
+    /// long as a test needs (see [`SmtpServer::wait_held`]).
+    HoldAfterData,
 }
 
 /// The protocol step at which a fault fires.
@@ -201,8 +210,67 @@ impl Fault {
             Fault::DropBeforeMail | Fault::ReplyAtMail(..) => Some(FaultPoint::Mail),
             Fault::ReplyAtRcpt(..) => Some(FaultPoint::Rcpt),
             Fault::DropAfterRcpt => Some(FaultPoint::Data),
-            Fault::DropAfterData | Fault::ReplyAtDataEnd(..) => Some(FaultPoint::DataEnd),
+            Fault::DropAfterData | Fault::ReplyAtDataEnd(..) | Fault::HoldAfterData => Some(FaultPoint::DataEnd),
         }
+    }
+
+    /// A short stable name, for counting faults by kind.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Fault::None => "none",
+            Fault::DropOnConnect => "drop_on_connect",
+            Fault::DropBeforeMail => "drop_before_mail",
+            Fault::DropAfterRcpt => "drop_after_rcpt",
+            Fault::DropAfterData => "drop_after_data",
+            Fault::ReplyAtMail(..) => "reply_at_mail",
+            Fault::ReplyAtRcpt(..) => "reply_at_rcpt",
+            Fault::ReplyAtDataEnd(..) => "reply_at_data_end",
+            Fault::HoldAfterData => "hold_after_data",
+        }
+    }
+}
+
+/// The faults [`SmtpServer::set_random_faults`] draws from, equally likely: a dropped
+/// connection at every phase (on connect, before MAIL, after RCPT, after the payload),
+/// a transient refusal at every phase (421 at MAIL, 450 at RCPT, 451 after the payload),
+/// and a permanent refusal (550 at RCPT).
+pub fn random_fault_menu() -> Vec<Fault> {
+    vec![
+        Fault::DropOnConnect,
+        Fault::DropBeforeMail,
+        Fault::DropAfterRcpt,
+        Fault::DropAfterData,
+        Fault::ReplyAtMail(421, "4.3.2 Service not available, closing channel".into()),
+        Fault::ReplyAtRcpt(450, "4.2.1 Mailbox busy, try again later".into()),
+        Fault::ReplyAtDataEnd(451, "4.3.0 Local error in processing".into()),
+        Fault::ReplyAtRcpt(550, "5.1.1 No such user".into()),
+    ]
+}
+
+/// Seeded random faults: each connection gets one with probability `p`.
+struct RandomFaults {
+    p: f64,
+    /// splitmix64 state: tiny, seedable, and good enough to pick faults.
+    state: u64,
+    menu: Vec<Fault>,
+}
+
+impl RandomFaults {
+    fn next_u64(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn draw(&mut self) -> Option<Fault> {
+        let roll = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        if self.menu.is_empty() || roll >= self.p {
+            return None;
+        }
+        let i = (self.next_u64() % self.menu.len() as u64) as usize;
+        Some(self.menu[i].clone())
     }
 }
 
@@ -268,6 +336,14 @@ struct Shared {
     faults: Mutex<VecDeque<Fault>>,
     /// Fault for connections that find `faults` empty.
     default_fault: Mutex<Fault>,
+    /// When set, connections that find `faults` empty draw from it before the default.
+    random: Mutex<Option<RandomFaults>>,
+    /// Faults handed to connections, by [`Fault::label`] (`none` excluded).
+    drawn: Mutex<HashMap<&'static str, usize>>,
+    /// Messages waiting in [`Fault::HoldAfterData`], so a test can wait for them.
+    held: watch::Sender<usize>,
+    /// Bumped by [`SmtpServer::release_held`]; a held message goes on once it moves.
+    release: watch::Sender<u64>,
     accepted: Mutex<Vec<Received>>,
     dropped_after_data: Mutex<Vec<Received>>,
     connections: AtomicUsize,
@@ -278,7 +354,20 @@ struct Shared {
 impl Shared {
     fn next_fault(&self) -> Fault {
         let queued = lock(&self.faults).pop_front();
-        queued.unwrap_or_else(|| lock(&self.default_fault).clone())
+        let random = || lock(&self.random).as_mut().and_then(RandomFaults::draw);
+        let fault = queued.or_else(random).unwrap_or_else(|| lock(&self.default_fault).clone());
+        if fault != Fault::None {
+            *lock(&self.drawn).entry(fault.label()).or_insert(0) += 1;
+        }
+        fault
+    }
+
+    /// Waits until [`SmtpServer::release_held`] is called after this point.
+    async fn hold(&self) {
+        let mut release = self.release.subscribe();
+        self.held.send_modify(|n| *n += 1);
+        let _ = release.changed().await;
+        self.held.send_modify(|n| *n -= 1);
     }
 
     fn record_accepted(&self, received: Received) {
@@ -321,10 +410,16 @@ impl SmtpServer {
         let listener = TcpListener::bind(addr).await.context("binding the SMTP listener")?;
         let addr = listener.local_addr()?;
         let (accepted_count, _) = watch::channel(0);
+        let (held, _) = watch::channel(0);
+        let (release, _) = watch::channel(0);
         let shared = Arc::new(Shared {
             security,
             faults: Mutex::new(VecDeque::new()),
             default_fault: Mutex::new(opts.default_fault),
+            random: Mutex::new(None),
+            drawn: Mutex::new(HashMap::new()),
+            held,
+            release,
             accepted: Mutex::new(Vec::new()),
             dropped_after_data: Mutex::new(Vec::new()),
             connections: AtomicUsize::new(0),
@@ -354,6 +449,40 @@ impl SmtpServer {
     /// Replaces the fault for connections that find the queue empty.
     pub fn set_default_fault(&self, f: Fault) {
         *lock(&self.shared.default_fault) = f;
+    }
+
+    /// From now on, each connection that finds the queue empty gets a fault drawn from
+    /// [`random_fault_menu`] with probability `p` (else the default fault). The same seed
+    /// gives the same sequence of draws.
+    pub fn set_random_faults(&self, p: f64, seed: u64) {
+        self.set_random_faults_from(p, seed, random_fault_menu());
+    }
+
+    /// [`SmtpServer::set_random_faults`] with another menu of faults.
+    pub fn set_random_faults_from(&self, p: f64, seed: u64, menu: Vec<Fault>) {
+        *lock(&self.shared.random) = Some(RandomFaults { p: p.clamp(0.0, 1.0), state: seed, menu });
+    }
+
+    /// Stops drawing random faults.
+    pub fn clear_random_faults(&self) {
+        *lock(&self.shared.random) = None;
+    }
+
+    /// How many connections were handed each kind of fault so far, by [`Fault::label`].
+    pub fn faults_drawn(&self) -> HashMap<&'static str, usize> {
+        lock(&self.shared.drawn).clone()
+    }
+
+    /// Waits until at least `n` messages are held by [`Fault::HoldAfterData`]; false if
+    /// the timeout elapsed first.
+    pub async fn wait_held(&self, n: usize, timeout: Duration) -> bool {
+        let mut held = self.shared.held.subscribe();
+        tokio::time::timeout(timeout, held.wait_for(|held| *held >= n)).await.is_ok()
+    }
+
+    /// Lets every message held so far be accepted and answered.
+    pub fn release_held(&self) {
+        self.shared.release.send_modify(|generation| *generation += 1);
     }
 
     /// Messages answered with a positive reply after DATA, in order of acceptance.
@@ -801,6 +930,13 @@ where
             auth_user: self.session.auth_user.clone(),
         };
         match self.session.fire(FaultPoint::DataEnd) {
+            Some(Fault::HoldAfterData) => {
+                self.shared.hold().await;
+                self.shared.record_accepted(received);
+                let text = format!("2.0.0 Ok: queued as {}", uuid::Uuid::new_v4());
+                self.reply(250, &text).await?;
+                Ok(Step::Continue)
+            }
             Some(Fault::DropAfterData) => {
                 self.shared.record_dropped_after_data(received);
                 Ok(Step::Close)
@@ -1291,6 +1427,54 @@ mod tests {
             assert!(received.data.ends_with(b"\r\n.dot\r\nbody\r\n"));
         }
         assert_eq!(server.connections(), 1);
+    }
+
+    #[tokio::test]
+    async fn hold_after_data_answers_only_when_released() {
+        let (ca, server) = starttls_server().await;
+        server.push_faults([Fault::HoldAfterData]);
+        let mailer = transport(server.port(), Tls::Required(tls_parameters(&ca)));
+        let send = tokio::spawn(async move { mailer.send(message("h1@airlock.test")).await });
+
+        assert!(server.wait_held(1, WAIT).await);
+        assert!(server.accepted().is_empty(), "held, not accepted yet");
+        assert!(!send.is_finished());
+        server.release_held();
+
+        send.await.unwrap().unwrap();
+        assert_eq!(server.accepted_by_message_id()["h1@airlock.test"], 1);
+        assert!(server.dropped_after_data().is_empty());
+    }
+
+    #[tokio::test]
+    async fn random_faults_are_seeded_and_cover_every_phase() {
+        let draws = |seed: u64| {
+            let mut r = RandomFaults { p: 0.5, state: seed, menu: random_fault_menu() };
+            (0..400).map(|_| r.draw()).collect::<Vec<_>>()
+        };
+        let a = draws(7);
+        assert_eq!(a, draws(7), "the same seed replays the same faults");
+        assert_ne!(a, draws(8));
+        let faulted = a.iter().flatten().count();
+        assert!((120..=280).contains(&faulted), "about half of 400: {faulted}");
+        for fault in random_fault_menu() {
+            assert!(a.iter().flatten().any(|f| *f == fault), "{fault:?} never drawn");
+        }
+
+        // Through the server: every connection faulted with p = 1, none with p = 0.
+        let server = SmtpServer::start(SmtpOptions::plain()).await.unwrap();
+        server.set_random_faults_from(1.0, 1, vec![Fault::ReplyAtMail(421, "later".into())]);
+        let mailer = transport(server.port(), Tls::None);
+        for _ in 0..3 {
+            assert!(mailer.send(message("r1@airlock.test")).await.unwrap_err().is_transient());
+        }
+        assert_eq!(server.faults_drawn()["reply_at_mail"], 3);
+        server.clear_random_faults();
+        mailer.send(message("r1@airlock.test")).await.unwrap();
+        server.set_random_faults(0.0, 1);
+        mailer.send(message("r2@airlock.test")).await.unwrap();
+        assert_eq!(server.accepted().len(), 2);
+        assert_eq!(server.faults_drawn().values().sum::<usize>(), 3);
     }
 
     #[test]

@@ -15,7 +15,7 @@ use airlock_core::config::Config;
 use airlock_core::delivery::pipeline::{self, PipelineError, SendStart};
 use airlock_core::fault;
 use airlock_core::policy;
-use airlock_core::queue::Rescued;
+use airlock_core::queue::{self, Rescued};
 use airlock_core::scoring::Scorer;
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
@@ -51,7 +51,10 @@ impl Handler for ScoreHandler {
         Box::pin(async move {
             let id = delivery_id(&ctx)?;
             match pipeline::score(&ctx.pool, &config, scorer.as_ref(), ctx.lease(), id).await {
-                Ok(()) => Ok(Outcome::Finalized),
+                Ok(()) => {
+                    let _ = fault::hit("score.after_commit").await;
+                    Ok(Outcome::Finalized)
+                }
                 Err(PipelineError::Queue(e)) => Err(HandlerError::retry(e.to_string())),
                 Err(e) => Err(retry(e)),
             }
@@ -82,32 +85,58 @@ impl Handler for SendHandler {
                 Ok(SendStart::SwitchOff) => return Ok(Outcome::Snooze(std::time::Duration::from_secs(1))),
                 Ok(SendStart::Nothing) | Ok(SendStart::Refused(_)) => return Ok(Outcome::Finalized),
                 Err(PipelineError::Queue(e)) => return Err(HandlerError::retry(e.to_string())),
+                // The COMMIT of transaction A may have gone through although its answer was
+                // lost: failing the job then would leave the delivery in `sending` with no job.
+                // Retry only when the job shows no effect started under this lease; otherwise
+                // the rescuer settles job and delivery together once the lease expires.
+                Err(PipelineError::Db(e)) => {
+                    return match queue::get(&ctx.pool, lease.id).await {
+                        Ok(job) if job.attempt == lease.attempt && job.effect_started_at.is_none() => {
+                            Err(HandlerError::retry(e.to_string()))
+                        }
+                        _ => {
+                            tracing::warn!(delivery.id = %id, error = %e, "the attempt may be on record: left to the rescuer");
+                            Ok(Outcome::Finalized)
+                        }
+                    };
+                }
                 Err(e) => return Err(retry(e)),
             };
             if fault::hit("send.after_attempt_commit").await.is_err() {
                 return Ok(Outcome::Finalized);
             }
-            let outcome = match &artifact {
-                Artifact::Email { email } => {
-                    let message_id = policy::message_id(&d.idempotency_key, &email.from);
-                    match (smtp, build_message(email, &message_id)) {
-                        (Some(smtp), Ok((envelope, bytes))) => match smtp.send(&envelope, &bytes).await {
-                            EffectOutcome::Sent { response, .. } => {
-                                EffectOutcome::Sent { message_id: Some(message_id), response }
-                            }
-                            other => other,
-                        },
-                        (None, _) => {
-                            EffectOutcome::NotDelivered { detail: "no SMTP relay configured".into(), retry_after: None }
+            // A stall since transaction A (a paused process, a frozen VM) may have outlived the
+            // lease, and the rescuer may have settled the delivery meanwhile: the effect starts
+            // only under a lease the database clock says is still held. Nothing went out, so a
+            // failed check is recorded as not delivered (refused, fenced, when the lease is lost).
+            let outcome = match queue::ensure_held(&ctx.pool, lease).await {
+                Err(e) => EffectOutcome::NotDelivered {
+                    detail: format!("not sent: the lease could not be confirmed before the effect: {e}"),
+                    retry_after: None,
+                },
+                Ok(()) => match &artifact {
+                    Artifact::Email { email } => {
+                        let message_id = policy::message_id(&d.idempotency_key, &email.from);
+                        match (smtp, build_message(email, &message_id)) {
+                            (Some(smtp), Ok((envelope, bytes))) => match smtp.send(&envelope, &bytes).await {
+                                EffectOutcome::Sent { response, .. } => {
+                                    EffectOutcome::Sent { message_id: Some(message_id), response }
+                                }
+                                other => other,
+                            },
+                            (None, _) => EffectOutcome::NotDelivered {
+                                detail: "no SMTP relay configured".into(),
+                                retry_after: None,
+                            },
+                            (_, Err(e)) => EffectOutcome::Permanent { detail: e.to_string() },
                         }
-                        (_, Err(e)) => EffectOutcome::Permanent { detail: e.to_string() },
                     }
-                }
-                Artifact::Webhook { webhook: hook } => match webhook {
-                    Some(w) => w.send(hook, &d.idempotency_key).await,
-                    None => EffectOutcome::NotDelivered {
-                        detail: "no webhook signing secret configured".into(),
-                        retry_after: None,
+                    Artifact::Webhook { webhook: hook } => match webhook {
+                        Some(w) => w.send(hook, &d.idempotency_key).await,
+                        None => EffectOutcome::NotDelivered {
+                            detail: "no webhook signing secret configured".into(),
+                            retry_after: None,
+                        },
                     },
                 },
             };

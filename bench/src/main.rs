@@ -43,6 +43,16 @@ struct Args {
     /// pgbench binary.
     #[arg(long, default_value = "pgbench")]
     pgbench: String,
+    /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline), for
+    /// profiling; a partial run prints its table but writes no result file.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+}
+
+impl Args {
+    fn wants(&self, part: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|p| p == part)
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -209,10 +219,21 @@ async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_row
     let before = count(&db.pool, "SELECT count(*) FROM jobs WHERE state = 'completed'").await?;
     let start = Instant::now();
     airlock_core::queue::resume_queue(&db.pool, "bench").await?;
-    let want = before + n;
-    wait_until(&db.pool, "SELECT count(*) FROM jobs WHERE state = 'completed'", want, Duration::from_secs(1800))
-        .await?;
+    // Poll what is left through the partial indexes (a count of completed rows would scan
+    // the growing table and slow the very drain it measures), then check nothing was lost.
+    wait_until(
+        &db.pool,
+        "SELECT CASE WHEN EXISTS (SELECT 1 FROM jobs WHERE state = 'available')
+                       OR EXISTS (SELECT 1 FROM jobs WHERE state = 'running') THEN 0 ELSE 1 END::bigint",
+        1,
+        Duration::from_secs(1800),
+    )
+    .await?;
     let rate = n as f64 / start.elapsed().as_secs_f64();
+    let after = count(&db.pool, "SELECT count(*) FROM jobs WHERE state = 'completed'").await?;
+    if after != before + n {
+        bail!("drain lost jobs: {} completed, {} expected", after - before, n);
+    }
     let rss = procs.iter().map(Proc::peak_rss_mib).fold(0.0, f64::max);
     for p in procs {
         p.stop();
@@ -486,32 +507,40 @@ async fn main() -> anyhow::Result<()> {
         m.insert(k.to_string(), json!((v * 100.0).round() / 100.0));
     };
 
-    eprintln!("ceiling (pgbench, 10 clients, SKIP LOCKED)");
-    let c1 = median(reps(r, "claim1 jobs/s", || ceiling(&args, 1)).await?);
-    let c100 = median(reps(r, "claim100 jobs/s", || ceiling(&args, 100)).await?);
-    put(&mut results, "ceiling_claim1_jobs_per_sec", c1);
-    put(&mut results, "ceiling_claim100_jobs_per_sec", c100);
-
-    for (label, n) in [("small", args.small), ("large", args.large)] {
-        if n == 0 {
-            continue;
-        }
-        for workers in [1usize, 2] {
-            for batched in [false, true] {
-                let mode = if batched { "batched" } else { "per_job" };
-                eprintln!("drain {n} jobs, {workers} worker(s), {mode}");
-                let mut rates = Vec::new();
-                for i in 0..r {
-                    let (rate, rss) = drain(&args, n, workers, batched, 0).await?;
-                    eprintln!("  #{}: {rate:.0} jobs/s, peak RSS {rss:.1} MiB", i + 1);
-                    rss_seen = rss_seen.max(rss);
-                    rates.push(rate);
+    let (mut c1, mut c100) = (f64::NAN, f64::NAN);
+    if args.wants("ceiling") {
+        eprintln!("ceiling (pgbench, 10 clients, SKIP LOCKED)");
+        c1 = median(reps(r, "claim1 jobs/s", || ceiling(&args, 1)).await?);
+        c100 = median(reps(r, "claim100 jobs/s", || ceiling(&args, 100)).await?);
+        put(&mut results, "ceiling_claim1_jobs_per_sec", c1);
+        put(&mut results, "ceiling_claim100_jobs_per_sec", c100);
+    }
+    if args.wants("drain") {
+        for (label, n) in [("small", args.small), ("large", args.large)] {
+            if n == 0 {
+                continue;
+            }
+            for workers in [1usize, 2] {
+                for batched in [false, true] {
+                    let mode = if batched { "batched" } else { "per_job" };
+                    eprintln!("drain {n} jobs, {workers} worker(s), {mode}");
+                    let mut rates = Vec::new();
+                    for i in 0..r {
+                        let (rate, rss) = drain(&args, n, workers, batched, 0).await?;
+                        eprintln!("  #{}: {rate:.0} jobs/s, peak RSS {rss:.1} MiB", i + 1);
+                        rss_seen = rss_seen.max(rss);
+                        rates.push(rate);
+                    }
+                    put(&mut results, &format!("drain_{label}_{workers}w_{mode}_jobs_per_sec"), median(rates));
                 }
-                put(&mut results, &format!("drain_{label}_{workers}w_{mode}_jobs_per_sec"), median(rates));
             }
         }
     }
-    let per_job = results.get("drain_small_1w_per_job_jobs_per_sec").and_then(Value::as_f64).unwrap_or(f64::NAN);
+    let per_job = results
+        .iter()
+        .filter(|(k, _)| k.contains("_per_job_"))
+        .filter_map(|(_, v)| v.as_f64())
+        .fold(f64::NAN, f64::max);
     let batched = results.get("drain_small_1w_batched_jobs_per_sec").and_then(Value::as_f64).unwrap_or(f64::NAN);
     let best_batched =
         results.iter().filter(|(k, _)| k.contains("_batched_")).filter_map(|(_, v)| v.as_f64()).fold(batched, f64::max);
@@ -520,59 +549,64 @@ async fn main() -> anyhow::Result<()> {
     put(&mut results, "drain_ratio_to_ceiling", per_job / c1);
     put(&mut results, "batched_drain_ratio_to_ceiling", best_batched / c100);
 
-    eprintln!("enqueue throughput");
-    let mut singles = Vec::new();
-    let mut batches = Vec::new();
-    for _ in 0..r {
-        let (s, b) = enqueue_rates(&args).await?;
-        eprintln!("  single {s:.0}/s, batched {b:.0}/s");
-        singles.push(s);
-        batches.push(b);
+    if args.wants("enqueue") {
+        eprintln!("enqueue throughput");
+        let mut singles = Vec::new();
+        let mut batches = Vec::new();
+        for _ in 0..r {
+            let (s, b) = enqueue_rates(&args).await?;
+            eprintln!("  single {s:.0}/s, batched {b:.0}/s");
+            singles.push(s);
+            batches.push(b);
+        }
+        put(&mut results, "enqueue_single_jobs_per_sec", median(singles));
+        put(&mut results, "enqueue_batched_jobs_per_sec", median(batches));
     }
-    put(&mut results, "enqueue_single_jobs_per_sec", median(singles));
-    put(&mut results, "enqueue_batched_jobs_per_sec", median(batches));
-
-    eprintln!("enqueue-to-start latency at 200 jobs/s");
-    let (mut p50s, mut p99s, mut maxes) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..r {
-        let (p50, p99, max) = latency(&args, 200, 15).await?;
-        eprintln!("  p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms");
-        p50s.push(p50);
-        p99s.push(p99);
-        maxes.push(max);
+    if args.wants("latency") {
+        eprintln!("enqueue-to-start latency at 200 jobs/s");
+        let (mut p50s, mut p99s, mut maxes) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..r {
+            let (p50, p99, max) = latency(&args, 200, 15).await?;
+            eprintln!("  p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms");
+            p50s.push(p50);
+            p99s.push(p99);
+            maxes.push(max);
+        }
+        put(&mut results, "enqueue_to_start_p50_ms", median(p50s));
+        put(&mut results, "enqueue_to_start_p99_ms", median(p99s));
+        put(&mut results, "enqueue_to_start_max_ms", median(maxes));
     }
-    put(&mut results, "enqueue_to_start_p50_ms", median(p50s));
-    put(&mut results, "enqueue_to_start_p99_ms", median(p99s));
-    put(&mut results, "enqueue_to_start_max_ms", median(maxes));
-
-    eprintln!("claim cost as the table grows");
-    let mut small_rates = Vec::new();
-    let mut big_rates = Vec::new();
-    for _ in 0..r {
-        let (a, _) = drain(&args, args.small, 1, false, 10_000).await?;
-        let (b, rss) = drain(&args, args.small, 1, false, args.growth_rows).await?;
-        rss_seen = rss_seen.max(rss);
-        eprintln!("  10k completed: {a:.0}/s, {} completed: {b:.0}/s", args.growth_rows);
-        small_rates.push(a);
-        big_rates.push(b);
+    if args.wants("growth") {
+        eprintln!("claim cost as the table grows");
+        let mut small_rates = Vec::new();
+        let mut big_rates = Vec::new();
+        for _ in 0..r {
+            let (a, _) = drain(&args, args.small, 1, false, 10_000).await?;
+            let (b, rss) = drain(&args, args.small, 1, false, args.growth_rows).await?;
+            rss_seen = rss_seen.max(rss);
+            eprintln!("  10k completed: {a:.0}/s, {} completed: {b:.0}/s", args.growth_rows);
+            small_rates.push(a);
+            big_rates.push(b);
+        }
+        let (a, b) = (median(small_rates), median(big_rates));
+        put(&mut results, "drain_with_10k_completed_jobs_per_sec", a);
+        put(&mut results, "drain_with_1m_completed_jobs_per_sec", b);
+        put(&mut results, "growth_ratio_1m_vs_10k", b / a);
     }
-    let (a, b) = (median(small_rates), median(big_rates));
-    put(&mut results, "drain_with_10k_completed_jobs_per_sec", a);
-    put(&mut results, "drain_with_1m_completed_jobs_per_sec", b);
-    put(&mut results, "growth_ratio_1m_vs_10k", b / a);
-
-    eprintln!("end-to-end pipeline, {} deliveries", args.deliveries);
-    let (mut rates, mut p50s, mut p99s) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..r {
-        let (rate, p50, p99) = pipeline(&args).await?;
-        eprintln!("  {rate:.0} deliveries/s, journey p50 {p50:.0} ms, p99 {p99:.0} ms");
-        rates.push(rate);
-        p50s.push(p50);
-        p99s.push(p99);
+    if args.wants("pipeline") {
+        eprintln!("end-to-end pipeline, {} deliveries", args.deliveries);
+        let (mut rates, mut p50s, mut p99s) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..r {
+            let (rate, p50, p99) = pipeline(&args).await?;
+            eprintln!("  {rate:.0} deliveries/s, journey p50 {p50:.0} ms, p99 {p99:.0} ms");
+            rates.push(rate);
+            p50s.push(p50);
+            p99s.push(p99);
+        }
+        put(&mut results, "pipeline_deliveries_per_sec", median(rates));
+        put(&mut results, "pipeline_p50_ms", median(p50s));
+        put(&mut results, "pipeline_p99_ms", median(p99s));
     }
-    put(&mut results, "pipeline_deliveries_per_sec", median(rates));
-    put(&mut results, "pipeline_p50_ms", median(p50s));
-    put(&mut results, "pipeline_p99_ms", median(p99s));
     put(&mut results, "worker_peak_rss_mib", rss_seen);
 
     let machine = json!({
@@ -582,6 +616,15 @@ async fn main() -> anyhow::Result<()> {
             .await?,
         "reps": r,
     });
+    if !args.only.is_empty() {
+        let mut table = String::new();
+        for (k, v) in &results {
+            table.push_str(&format!("{k} = {v}\n"));
+        }
+        println!("{table}");
+        eprintln!("partial run: no result file written");
+        return Ok(());
+    }
     let date = chrono::Utc::now().format("%Y-%m-%d").to_string();
     let mut doc = Value::Object(results.clone());
     doc["date"] = json!(date);

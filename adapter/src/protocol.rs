@@ -25,7 +25,6 @@ pub const EVENT_INDEXES: &[&str] = &[
     "public.jobs_lease_idx",
     "public.jobs_finished_idx",
     "public.jobs_unique_live_idx",
-    "public.jobs_kind_state_idx",
     "public.workers_pkey",
 ];
 

@@ -11,12 +11,11 @@ use crate::config::DatabaseConfig;
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
 /// Opens a pool. Connections are checked before use, so a restarted Postgres is survived
-/// by the next query rather than by a restart of the process. Statements are planned with
-/// their actual values every time: a generic plan of the claim cannot tell a backlog from
-/// an empty queue (see [`crate::queue::claim_batch`]).
+/// by the next query rather than by a restart of the process. Statements are prepared
+/// once per connection, and their plans cached; the claim alone is planned with its actual
+/// values every time (see [`crate::queue::claim_batch`]).
 pub async fn connect(cfg: &DatabaseConfig) -> Result<PgPool, sqlx::Error> {
     let options: sqlx::postgres::PgConnectOptions = cfg.url.expose().parse()?;
-    let options = options.options([("plan_cache_mode", "force_custom_plan")]);
     PgPoolOptions::new()
         .max_connections(cfg.max_connections)
         .min_connections(0)

@@ -293,10 +293,19 @@ async fn named_queues_and_pauses(pool: PgPool) {
     let other = enqueue(&pool, NewJob::new("t", json!({})).queue("other")).await.id;
     let only_send = ClaimFilter { queues: Some(vec!["send".into()]) };
 
+    // A queue name that would break a naively quoted statement.
+    let odd_name = "it's \\ odd";
+    let odd = enqueue(&pool, NewJob::new("t", json!({})).queue(odd_name)).await.id;
+    queue::pause_queue(&pool, odd_name, "odd").await.unwrap();
+
     queue::pause_queue(&pool, "send", "switch off").await.unwrap();
     assert!(queue::claim_batch(&pool, "w", &only_send, 10, LEASE).await.unwrap().is_empty());
     let all = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10, LEASE).await.unwrap();
     assert_eq!(all.iter().map(|j| j.id).collect::<Vec<_>>(), vec![other], "a paused queue is skipped");
+
+    queue::resume_queue(&pool, odd_name).await.unwrap();
+    let got = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10, LEASE).await.unwrap();
+    assert_eq!(got.iter().map(|j| j.id).collect::<Vec<_>>(), vec![odd]);
 
     queue::resume_queue(&pool, "send").await.unwrap();
     let got = queue::claim_batch(&pool, "w", &only_send, 10, LEASE).await.unwrap();
@@ -377,18 +386,32 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
     let paused: Vec<String> =
         sqlx::query_scalar("SELECT coalesce(array_agg(queue), '{}') FROM queue_pauses").fetch_one(&pool).await.unwrap();
     assert_eq!(paused, vec!["send".to_string()]);
-    for queues in ["NULL::text[]", "'{default}'::text[]"] {
-        // The statement as claim_batch plans it: with its actual values.
-        let sql = format!(
-            "EXPLAIN SELECT id FROM jobs WHERE state = 'available' AND run_at <= now() \
-             AND ({queues} IS NULL OR queue = ANY({queues})) AND queue <> ALL ('{{send}}'::text[]) \
-             ORDER BY priority, run_at, id LIMIT 10 FOR UPDATE SKIP LOCKED"
-        );
-        let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_all(&pool).await.unwrap();
-        let plan = plan.join("\n");
-        assert!(plan.contains("jobs_claim_idx"), "{plan}");
-        assert!(!plan.contains("Sort"), "no sort of the backlog: {plan}");
+    // The statement is kept prepared: its plan must be right both custom (its actual values)
+    // and generic (the one a connection may settle on), whatever queues are paused.
+    let mut conn = pool.acquire().await.unwrap();
+    for paused in [vec![], vec!["send".to_string()], vec!["send".into(), "it's \\ odd".into()]] {
+        let sql = format!("PREPARE claim(text, text[], bigint, float8) AS {}", queue::claim_sql(&paused));
+        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut *conn).await.unwrap();
+        for mode in ["force_custom_plan", "force_generic_plan"] {
+            sqlx::query(sqlx::AssertSqlSafe(format!("SET plan_cache_mode = {mode}")))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            for queues in ["NULL", "'{default}'"] {
+                let sql = format!("EXPLAIN EXECUTE claim('w', {queues}, 10, 30)");
+                let plan: Vec<String> =
+                    sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_all(&mut *conn).await.unwrap();
+                let plan = plan.join("\n");
+                let case = format!("paused {paused:?}, {mode}, queues {queues}");
+                assert!(plan.contains("Index Scan using jobs_claim_idx"), "{case}: {plan}");
+                assert!(!plan.contains("Sort"), "{case}: no sort of the backlog: {plan}");
+                assert!(!plan.contains("Seq Scan on jobs"), "{case}: no scan of the table: {plan}");
+            }
+        }
+        sqlx::query("DEALLOCATE claim").execute(&mut *conn).await.unwrap();
     }
+    sqlx::query("RESET plan_cache_mode").execute(&mut *conn).await.unwrap();
+    drop(conn);
     let claimed = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10, LEASE).await.unwrap();
     assert_eq!(claimed.len(), 10);
 }

@@ -17,7 +17,12 @@ fn wait_ms(ctx: &JobContext) -> Duration {
 
 pub fn register(registry: &mut Registry) {
     registry.register_fn("diag.sleep", |ctx: JobContext| async move {
-        tokio::time::sleep(wait_ms(&ctx)).await;
+        // A zero wait must not go through the timer: its one-millisecond resolution would
+        // turn a no-op job into a 1 ms job.
+        let wait = wait_ms(&ctx);
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
         Ok(Outcome::Completed)
     });
     registry.register_fn("diag.effect", |ctx: JobContext| async move {

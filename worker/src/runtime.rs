@@ -21,7 +21,7 @@ use airlock_core::fault;
 use airlock_core::queue::{self, ClaimFilter, Job, Lease, QueueError, RescueCounts};
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -167,10 +167,17 @@ impl Worker {
 
         let in_flight: InFlight = Arc::new(Mutex::new(HashMap::new()));
         let wake = Arc::new(Notify::new());
+        let pauses = Arc::new(Pauses::default());
         // Background loops live until the drain is over (heartbeats must outlive it).
         let background = CancellationToken::new();
         let mut loops = JoinSet::new();
-        loops.spawn(listen_loop(self.pool.clone(), wake.clone(), self.stats.clone(), background.clone()));
+        loops.spawn(listen_loop(
+            self.pool.clone(),
+            wake.clone(),
+            pauses.clone(),
+            self.stats.clone(),
+            background.clone(),
+        ));
         loops.spawn(heartbeat_loop(
             self.pool.clone(),
             s.clone(),
@@ -201,14 +208,17 @@ impl Worker {
         // Claimed jobs waiting for a free slot (only when `claim_batch` > free slots); their
         // leases are heartbeated like running ones and released on shutdown.
         let mut ready: VecDeque<(Job, CancellationToken)> = VecDeque::new();
-        let completer = match s.complete_batch {
-            0 | 1 => None,
-            n => {
-                let (tx, rx) = mpsc::channel(4 * n.max(s.concurrency));
-                loops.spawn(completion_loop(self.pool.clone(), rx, n));
-                Some(tx)
-            }
-        };
+        // Completions leave the job's slot at once: a finished handler frees its slot, and
+        // its completion joins the next statement (many share one commit under load).
+        let (completer, completions) = mpsc::channel(4 * s.complete_batch.max(s.concurrency));
+        let parallel = if s.complete_batch <= 1 { s.concurrency } else { COMPLETION_STATEMENTS };
+        loops.spawn(completion_loop(
+            self.pool.clone(),
+            completions,
+            s.complete_batch.max(1),
+            parallel,
+            self.stats.clone(),
+        ));
         let ctx = ExecCtx {
             pool: self.pool.clone(),
             registry: self.registry.clone(),
@@ -217,7 +227,13 @@ impl Worker {
             stats: self.stats.clone(),
             completer: completer.clone(),
         };
-        let filter = ClaimFilter { queues: s.queues.clone() };
+        let claim_ctx = ClaimCtx {
+            pool: self.pool.clone(),
+            owner: s.id.clone(),
+            filter: ClaimFilter { queues: s.queues.clone() },
+            lease: s.lease,
+            pauses: pauses.clone(),
+        };
         let want = s.claim_batch.max(1);
         // Claims run as tasks of their own, so claiming overlaps running and completing: in
         // per-job mode every free slot has its claim in flight (their commits share log
@@ -237,14 +253,14 @@ impl Worker {
                 if want < s.concurrency {
                     let free = s.concurrency.saturating_sub(tasks.len() + ready.len() + reserved);
                     for _ in 0..free / want {
-                        spawn_claim(&mut claims, &self.pool, &s.id, &filter, want, s.lease, woke_by_notify);
+                        spawn_claim(&mut claims, &claim_ctx, want, woke_by_notify);
                         reserved += want;
                     }
                 } else if claims.is_empty()
                     && ready.len() * 2 < want
                     && tasks.len() + ready.len() < s.concurrency + want
                 {
-                    spawn_claim(&mut claims, &self.pool, &s.id, &filter, want, s.lease, woke_by_notify);
+                    spawn_claim(&mut claims, &claim_ctx, want, woke_by_notify);
                 }
             }
             woke_by_notify = false;
@@ -277,14 +293,16 @@ impl Worker {
                         Err(e) => {
                             tracing::warn!(error = %e, "claim failed; retrying");
                             backoff_until = Some(tokio::time::Instant::now() + db_backoff);
-                            db_backoff = (db_backoff * 2).min(Duration::from_secs(5));
+                            db_backoff = (db_backoff * 2).min(CLAIM_BACKOFF_MAX);
                         }
                     }
                 }
                 Some(done) = tasks.join_next_with_id() => {
                     reap(done, &mut task_leases, &self.pool, &in_flight, &self.stats).await;
                 }
-                _ = wake.notified(), if has_room => { idle = false; woke_by_notify = true; }
+                // A notification also means the database answers again: no need to sit out
+                // the rest of a back-off.
+                _ = wake.notified(), if has_room => { idle = false; woke_by_notify = true; backoff_until = None; }
                 _ = tokio::time::sleep(s.poll_interval), if has_room && idle => { idle = false; }
                 _ = async { if let Some(t) = backoff { tokio::time::sleep_until(t).await } }, if backoff.is_some() => {
                     backoff_until = None;
@@ -346,6 +364,48 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The paused queues as this worker last read them, so a claim is one statement: re-read
+/// when a pause or resume is announced, when LISTEN reconnects, and at the latest every
+/// [`queue::PAUSES_MAX_AGE`].
+#[derive(Default)]
+struct Pauses {
+    state: Mutex<PausesState>,
+}
+
+#[derive(Default)]
+struct PausesState {
+    list: Arc<Vec<String>>,
+    read_at: Option<Instant>,
+    /// Bumped by every invalidation, so a read that raced one is not kept.
+    generation: u64,
+}
+
+impl Pauses {
+    fn invalidate(&self) {
+        let mut st = lock(&self.state);
+        st.read_at = None;
+        st.generation += 1;
+    }
+
+    async fn get(&self, pool: &PgPool) -> Result<Arc<Vec<String>>, QueueError> {
+        let generation = {
+            let st = lock(&self.state);
+            if st.read_at.is_some_and(|t| t.elapsed() < queue::PAUSES_MAX_AGE) {
+                return Ok(st.list.clone());
+            }
+            st.generation
+        };
+        let read_at = Instant::now();
+        let list = Arc::new(queue::paused_queues(pool).await?);
+        let mut st = lock(&self.state);
+        if st.generation == generation {
+            st.list = list.clone();
+            st.read_at = Some(read_at);
+        }
+        Ok(list)
+    }
+}
+
 /// Settles a finished task: releases an abandoned job, fails a panicked one.
 async fn reap(
     done: Result<(tokio::task::Id, Ended), tokio::task::JoinError>,
@@ -380,6 +440,10 @@ async fn reap(
     }
 }
 
+/// The longest pause between failed claims: after an outage, claiming resumes within
+/// about a second of the database answering (sooner when LISTEN reconnects first).
+const CLAIM_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
 /// What one claim statement brought back.
 struct ClaimResult {
     jobs: Result<Vec<Job>, QueueError>,
@@ -388,20 +452,27 @@ struct ClaimResult {
     after_notify: bool,
 }
 
-/// Starts one claim of up to `want` jobs as a task of its own.
-fn spawn_claim(
-    claims: &mut JoinSet<ClaimResult>,
-    pool: &PgPool,
-    owner: &str,
-    filter: &ClaimFilter,
-    want: usize,
+/// What every claim needs.
+#[derive(Clone)]
+struct ClaimCtx {
+    pool: PgPool,
+    owner: String,
+    filter: ClaimFilter,
     lease: Duration,
-    after_notify: bool,
-) {
-    let (pool, owner, filter) = (pool.clone(), owner.to_string(), filter.clone());
+    pauses: Arc<Pauses>,
+}
+
+/// Starts one claim of up to `want` jobs as a task of its own.
+fn spawn_claim(claims: &mut JoinSet<ClaimResult>, c: &ClaimCtx, want: usize, after_notify: bool) {
+    let c = c.clone();
     claims.spawn(async move {
         let started = Instant::now();
-        let jobs = queue::claim_batch(&pool, &owner, &filter, want as i64, lease).await;
+        let jobs = match c.pauses.get(&c.pool).await {
+            Ok(paused) => {
+                queue::claim_batch_skipping(&c.pool, &c.owner, &c.filter, want as i64, c.lease, &paused).await
+            }
+            Err(e) => Err(e),
+        };
         ClaimResult { jobs, took: started.elapsed(), after_notify }
     });
 }
@@ -414,8 +485,8 @@ struct ExecCtx {
     lease_len: Duration,
     in_flight: InFlight,
     stats: Arc<WorkerStats>,
-    /// Batches completions into one statement; `None` completes each job on its own.
-    completer: Option<mpsc::Sender<Completion>>,
+    /// Takes successful jobs' completions off their slots.
+    completer: mpsc::Sender<Completion>,
 }
 
 /// Starts buffered jobs while there are free slots; drops those whose lease was lost
@@ -439,57 +510,83 @@ fn start_ready(
     }
 }
 
-/// A completion waiting for the next batched statement.
-type Completion = (Lease, oneshot::Sender<Result<(), QueueError>>);
+/// A job whose handler succeeded, waiting for the statement that completes it.
+struct Completion {
+    lease: Lease,
+    kind: String,
+}
 
-/// Completes jobs in batches: takes what is queued (up to `max`) and completes it in one
-/// statement, so under load many completions share one commit; alone, a completion goes
-/// out at once.
-async fn completion_loop(pool: PgPool, mut rx: mpsc::Receiver<Completion>, max: usize) {
-    let mut batch: Vec<Completion> = Vec::with_capacity(max);
-    while let Some(first) = rx.recv().await {
-        batch.push(first);
-        while batch.len() < max {
-            match rx.try_recv() {
-                Ok(c) => batch.push(c),
-                Err(_) => break,
-            }
-        }
-        let leases: Vec<Lease> = batch.iter().map(|(l, _)| *l).collect();
-        match queue::complete_many(&pool, &leases).await {
-            Ok(done) => {
-                let done: std::collections::HashSet<Lease> = done.into_iter().collect();
-                for (lease, reply) in batch.drain(..) {
-                    let r = if done.contains(&lease) {
-                        Ok(())
-                    } else {
-                        Err(QueueError::LeaseLost { id: lease.id, attempt: lease.attempt })
-                    };
-                    let _ = reply.send(r);
+/// Completion statements in flight at once when completions are batched.
+const COMPLETION_STATEMENTS: usize = 2;
+
+/// Completes jobs: takes what is queued (up to `max`) and completes it in one statement,
+/// with up to `parallel` statements in flight, so under load many completions share one
+/// commit; alone, a completion goes out at once. Ends when every sender is gone and
+/// every statement has returned.
+async fn completion_loop(
+    pool: PgPool,
+    mut rx: mpsc::Receiver<Completion>,
+    max: usize,
+    parallel: usize,
+    stats: Arc<WorkerStats>,
+) {
+    let mut statements: JoinSet<()> = JoinSet::new();
+    let mut open = true;
+    while open || !statements.is_empty() {
+        tokio::select! {
+            first = rx.recv(), if open && statements.len() < parallel.max(1) => {
+                let Some(first) = first else {
+                    open = false;
+                    continue;
+                };
+                let mut batch = vec![first];
+                while batch.len() < max {
+                    match rx.try_recv() {
+                        Ok(c) => batch.push(c),
+                        Err(_) => break,
+                    }
                 }
+                statements.spawn(complete_batch(pool.clone(), batch, stats.clone()));
             }
-            Err(e) => {
-                tracing::warn!(error = %e, jobs = batch.len(), "batched completion failed");
-                let msg = e.to_string();
-                for (_, reply) in batch.drain(..) {
-                    let _ = reply.send(Err(QueueError::Db(sqlx::Error::Protocol(msg.clone()))));
-                }
-            }
+            Some(_) = statements.join_next() => {}
         }
     }
 }
 
-/// Completes one job, batched when a completer runs.
-async fn complete(ctx: &ExecCtx, lease: Lease) -> Result<(), QueueError> {
-    if let Some(tx) = &ctx.completer {
-        let (reply, answer) = oneshot::channel();
-        if tx.send((lease, reply)).await.is_ok()
-            && let Ok(r) = answer.await
-        {
-            return r;
+/// Completes one batch, fenced on each lease, and accounts for every job in it.
+async fn complete_batch(pool: PgPool, batch: Vec<Completion>, stats: Arc<WorkerStats>) {
+    let leases: Vec<Lease> = batch.iter().map(|c| c.lease).collect();
+    let result = if let [lease] = leases[..] {
+        queue::complete(&pool, lease).await.map(|()| vec![lease]).or_else(|e| match e {
+            QueueError::LeaseLost { .. } => Ok(Vec::new()),
+            e => Err(e),
+        })
+    } else {
+        queue::complete_many(&pool, &leases).await
+    };
+    let done: std::collections::HashSet<Lease> = match result {
+        Ok(done) => done.into_iter().collect(),
+        Err(e) => {
+            // Still running in the database: the rescuer retries them when their leases
+            // expire (their handlers succeeded, so they are pure or idempotent here).
+            tracing::error!(error = %e, jobs = batch.len(), "could not record job completions");
+            return;
         }
+    };
+    for c in batch {
+        let outcome = if done.contains(&c.lease) {
+            bump(&stats.completed);
+            "completed"
+        } else {
+            bump(&stats.lease_lost);
+            tracing::warn!(job.id = %c.lease.id, job.attempt = c.lease.attempt, "lease lost: result dropped");
+            "lease_lost"
+        };
+        metrics::counter!(airlock_core::metrics::JOBS_ENDED, "kind" => c.kind, "outcome" => outcome).increment(1);
     }
-    queue::complete(&ctx.pool, lease).await
+    if !done.is_empty() {
+        let _ = fault::hit("job.after_complete").await;
+    }
 }
 
 /// Runs one claimed job's handler and applies its outcome, fenced on the lease.
@@ -524,10 +621,17 @@ async fn execute(ctx: ExecCtx, job: Job, cancel: CancellationToken) -> Ended {
         return Ended::Abandoned(lease);
     }
     let applied = match result {
-        Ok(Outcome::Completed) => complete(&ctx, lease).await.map(|_| {
-            bump(&stats.completed);
-            ended("completed");
-        }),
+        Ok(Outcome::Completed) => {
+            let completion = Completion { lease, kind: job.kind.clone() };
+            if ctx.completer.send(completion).await.is_ok() {
+                // The completer accounts for it once its statement commits.
+                return Ended::Finished;
+            }
+            queue::complete(&pool, lease).await.map(|_| {
+                bump(&stats.completed);
+                ended("completed");
+            })
+        }
         Ok(Outcome::Finalized) => {
             bump(&stats.completed);
             ended("finalized");
@@ -588,7 +692,13 @@ async fn run_handler(
 
 /// LISTENs for enqueue notifications and wakes the claim loop. Reconnects by itself; after
 /// a reconnect it wakes the loop once, since notifications may have been missed.
-async fn listen_loop(pool: PgPool, wake: Arc<Notify>, stats: Arc<WorkerStats>, stop: CancellationToken) {
+async fn listen_loop(
+    pool: PgPool,
+    wake: Arc<Notify>,
+    pauses: Arc<Pauses>,
+    stats: Arc<WorkerStats>,
+    stop: CancellationToken,
+) {
     let mut backoff = Duration::from_millis(100);
     while !stop.is_cancelled() {
         let listener = async {
@@ -612,18 +722,25 @@ async fn listen_loop(pool: PgPool, wake: Arc<Notify>, stats: Arc<WorkerStats>, s
             },
         };
         backoff = Duration::from_millis(100);
+        pauses.invalidate();
         stats.listening.store(true, Ordering::SeqCst);
         wake.notify_one();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 n = listener.try_recv() => match n {
-                    Ok(Some(_)) => {
+                    Ok(Some(n)) => {
+                        if n.payload().starts_with(queue::PAUSE_NOTIFY_PREFIX) {
+                            pauses.invalidate();
+                        }
                         bump(&stats.notify_wakeups);
                         wake.notify_one();
                     }
                     // The connection was lost and re-established: notifications may be missed.
-                    Ok(None) => wake.notify_one(),
+                    Ok(None) => {
+                        pauses.invalidate();
+                        wake.notify_one();
+                    }
                     Err(e) => {
                         stats.listening.store(false, Ordering::SeqCst);
                         tracing::warn!(error = %e, "LISTEN connection failed");

@@ -379,7 +379,7 @@ async fn pipeline(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
         ("AIRLOCK__DELIVERY__SENDERS", "@example.com".into()),
         ("AIRLOCK__DELIVERY__KNOWN_DOMAINS", "example.org".into()),
         ("AIRLOCK__WORKER__CONCURRENCY", "32".into()),
-        ("AIRLOCK__DATABASE__MAX_CONNECTIONS", "40".into()),
+        ("AIRLOCK__DATABASE__MAX_CONNECTIONS", "16".into()),
     ];
     let api = spawn(&args.bin_dir, "airlock-api", &[], &env)?;
     let admin = spawn(&args.bin_dir, "airlock-admin", &["serve"], &env)?;
@@ -433,13 +433,18 @@ async fn pipeline(args: &Args) -> anyhow::Result<(f64, f64, f64)> {
         .send()
         .await?;
     anyhow::ensure!(r.status().is_success(), "switch: {}", r.status());
-    let run = post(format!("{api_url}/v1/runs"), agent.clone(), json!({"budget": {"max_steps": 0}})).await?;
-    let run_id = run["id"].as_str().context("run id")?.to_string();
+    // Sixteen agent runs submitting at once, as a fleet of agents does (each run's budget is
+    // spent in order, so one run's submissions are serialised by design).
+    let mut runs = Vec::new();
+    for _ in 0..16 {
+        let run = post(format!("{api_url}/v1/runs"), agent.clone(), json!({"budget": {"max_steps": 0}})).await?;
+        runs.push(run["id"].as_str().context("run id")?.to_string());
+    }
     let n = args.deliveries;
     let start = Instant::now();
     let mut handles = Vec::new();
-    for c in 0..16 {
-        let (post, agent, api_url, run_id) = (post.clone(), agent.clone(), api_url.clone(), run_id.clone());
+    for (c, run_id) in runs.into_iter().enumerate() {
+        let (post, agent, api_url) = (post.clone(), agent.clone(), api_url.clone());
         handles.push(tokio::spawn(async move {
             let mut i = c;
             while i < n {

@@ -231,11 +231,32 @@ pub async fn list(db: impl PgExecutor<'_>, before: Option<Uuid>, limit: i64) -> 
 
 /// Uses one matching live grant for a delivery, if any: returns its id. Call inside the
 /// transaction that approves the delivery, so the use and the approval commit together.
+/// (The pipeline uses [`find_match`] and [`consume`] apart, to hold the grant's row lock
+/// only for the end of its transaction.)
 pub async fn try_use(
     tx: &mut Transaction<'_, Postgres>,
     agent: &str,
     artifact: &Artifact,
     score: f64,
+) -> Result<Option<Uuid>, sqlx::Error> {
+    let mut passed_over = Vec::new();
+    while let Some(id) = find_match(&mut **tx, agent, artifact, score, &passed_over).await? {
+        if consume(&mut **tx, id).await? {
+            return Ok(Some(id));
+        }
+        passed_over.push(id);
+    }
+    Ok(None)
+}
+
+/// The live grant that would approve this delivery, if any (the one expiring first),
+/// leaving out `passed_over`. Takes no lock: [`consume`] decides.
+pub async fn find_match(
+    db: impl PgExecutor<'_>,
+    agent: &str,
+    artifact: &Artifact,
+    score: f64,
+    passed_over: &[Uuid],
 ) -> Result<Option<Uuid>, sqlx::Error> {
     let (channel, domains, origin) = match artifact {
         Artifact::Email { email } => {
@@ -249,26 +270,37 @@ pub async fn try_use(
     if channel == Channel::Webhook && origin.is_none() {
         return Ok(None);
     }
-    // The row lock (no SKIP LOCKED) makes a racing user wait, then re-check `uses`.
     sqlx::query_scalar(
-        r#"UPDATE grants SET uses = uses + 1
-           WHERE id = (
-               SELECT id FROM grants
-               WHERE revoked_at IS NULL AND expires_at > now() AND uses < max_uses
-                 AND channel = $1 AND $2 = ANY (agent_ids) AND min_score <= $3
-                 AND (($1 = 'email' AND recipient_domains @> $4::text[])
-                      OR ($1 = 'webhook' AND $5 = ANY (webhook_origins)))
-               ORDER BY expires_at, id
-               LIMIT 1
-               FOR UPDATE)
-             AND uses < max_uses
-           RETURNING id"#,
+        r#"SELECT id FROM grants
+           WHERE revoked_at IS NULL AND expires_at > now() AND uses < max_uses
+             AND channel = $1 AND $2 = ANY (agent_ids) AND min_score <= $3
+             AND (($1 = 'email' AND recipient_domains @> $4::text[])
+                  OR ($1 = 'webhook' AND $5 = ANY (webhook_origins)))
+             AND id <> ALL ($6)
+           ORDER BY expires_at, id
+           LIMIT 1"#,
     )
     .bind(channel)
     .bind(agent)
     .bind(score)
     .bind(&domains)
     .bind(origin)
-    .fetch_optional(&mut **tx)
+    .bind(passed_over)
+    .fetch_optional(db)
     .await
+}
+
+/// Counts one use of a grant if it is still live and not used up; false otherwise. The row
+/// lock it takes makes a racing user wait and then re-check, so `max_uses` is never
+/// exceeded; call it last before the commit, as every other user of the grant waits.
+pub async fn consume(db: impl PgExecutor<'_>, id: Uuid) -> Result<bool, sqlx::Error> {
+    let used: Option<Uuid> = sqlx::query_scalar(
+        r#"UPDATE grants SET uses = uses + 1
+           WHERE id = $1 AND revoked_at IS NULL AND expires_at > now() AND uses < max_uses
+           RETURNING id"#,
+    )
+    .bind(id)
+    .fetch_optional(db)
+    .await?;
+    Ok(used.is_some())
 }

@@ -187,12 +187,31 @@ pub async fn score(
     lease: Lease,
     delivery_id: Uuid,
 ) -> Result<(), PipelineError> {
+    // A grant that ran out (or was revoked) between choosing it and counting its use is
+    // passed over, and the delivery scored again without it.
+    let mut passed_over = Vec::new();
+    while let Some(grant_id) = score_once(pool, cfg, scorer, lease, delivery_id, &passed_over).await? {
+        passed_over.push(grant_id);
+    }
+    Ok(())
+}
+
+/// One attempt of [`score`]: `Some(grant)` when that grant could not be used after all and
+/// nothing was committed.
+async fn score_once(
+    pool: &PgPool,
+    cfg: &Config,
+    scorer: &dyn Scorer,
+    lease: Lease,
+    delivery_id: Uuid,
+    passed_over: &[Uuid],
+) -> Result<Option<Uuid>, PipelineError> {
     let mut tx = pool.begin().await?;
     let d = store::lock(&mut *tx, delivery_id).await?;
     if d.state != DeliveryState::Persisted {
         queue::complete(&mut *tx, lease).await?;
         tx.commit().await?;
-        return Ok(());
+        return Ok(None);
     }
     let body = store::get_artifact(&mut *tx, &d.artifact_sha256).await?.ok_or(PipelineError::NotFound("artifact"))?;
     let artifact = Artifact::from_json(&body, &stored_limits())?;
@@ -210,9 +229,13 @@ pub async fn score(
         (Action::RouteToApproval, format!("score {} is at or above the review threshold {threshold}", s.value))
     };
     let routed_state = store::transition(&mut tx, &scored, route, &actor, Some(&why), json!({})).await?;
-    if routed_state == DeliveryState::AwaitingApproval
-        && let Some(grant_id) = grants::try_use(&mut tx, &scored.agent, &artifact, s.value).await?
-    {
+    let grant = match routed_state {
+        DeliveryState::AwaitingApproval => {
+            grants::find_match(&mut *tx, &scored.agent, &artifact, s.value, passed_over).await?
+        }
+        _ => None,
+    };
+    if let Some(grant_id) = grant {
         let routed = Delivery { state: routed_state, ..scored.clone() };
         store::insert_approval(&mut *tx, routed.id, &routed.artifact_sha256, None, Some(grant_id), None).await?;
         let grant_actor = Actor::new("grant", grant_id.to_string());
@@ -222,9 +245,17 @@ pub async fn score(
         enqueue_send(&mut tx, cfg, &routed).await?;
     }
     queue::complete(&mut *tx, lease).await?;
+    // Last, so the grant's row stays locked only for the commit: every delivery it approves
+    // counts its use on that one row.
+    if let Some(grant_id) = grant
+        && !grants::consume(&mut *tx, grant_id).await?
+    {
+        tx.rollback().await?;
+        return Ok(Some(grant_id));
+    }
     crate::fault::hit("score.before_commit").await.map_err(|e| PipelineError::Invalid(e.to_string()))?;
     tx.commit().await?;
-    Ok(())
+    Ok(None)
 }
 
 fn reviewer_actor(p: &Principal) -> Actor {

@@ -137,7 +137,7 @@ pub async fn lock_run(db: impl PgExecutor<'_>, id: Uuid, agent: &str) -> Result<
     sqlx::query_as(
         r#"SELECT id, agent, inputs, state::text AS state, max_steps, max_tokens, max_cost_micros,
                   used_steps, used_tokens, used_cost_micros, created_at
-           FROM runs WHERE id = $1 AND agent = $2 FOR UPDATE"#,
+           FROM runs WHERE id = $1 AND agent = $2 FOR NO KEY UPDATE"#,
     )
     .bind(id)
     .bind(agent)

@@ -289,6 +289,8 @@ impl Worker {
                                 lock(&in_flight).insert(job.id, Held { lease: job.lease(), cancel: cancel.clone() });
                                 ready.push_back((job, cancel));
                             }
+                            // At once, so a stop arriving now finds them in flight, not waiting.
+                            start_ready(&mut ready, &mut tasks, &mut task_leases, s.concurrency, &ctx);
                         }
                         Err(e) => {
                             tracing::warn!(error = %e, "claim failed; retrying");
@@ -310,17 +312,20 @@ impl Worker {
             }
         }
 
-        // Claims still in flight: their jobs join the buffer and are given back with it.
+        // Claims still in flight: their jobs join the buffer.
         while let Some(done) = claims.join_next().await {
             if let Ok(ClaimResult { jobs: Ok(jobs), .. }) = done {
                 for job in jobs {
-                    lock(&in_flight).insert(job.id, Held { lease: job.lease(), cancel: CancellationToken::new() });
-                    ready.push_back((job, CancellationToken::new()));
+                    let cancel = CancellationToken::new();
+                    lock(&in_flight).insert(job.id, Held { lease: job.lease(), cancel: cancel.clone() });
+                    ready.push_back((job, cancel));
                 }
             }
         }
 
-        // Claimed but never started: give them back at once.
+        // Claimed into a free slot: those are in flight, and run like the others. Claimed
+        // beyond the free slots (a batched claim's buffer): give them back at once.
+        start_ready(&mut ready, &mut tasks, &mut task_leases, s.concurrency, &ctx);
         for (job, _) in ready.drain(..) {
             lock(&in_flight).remove(&job.id);
             match queue::release(&self.pool, job.lease()).await {

@@ -285,9 +285,7 @@ impl Worker {
                                 bump(&self.stats.claimed);
                                 metrics::counter!(airlock_core::metrics::JOBS_CLAIMED, "kind" => job.kind.clone())
                                     .increment(1);
-                                let cancel = CancellationToken::new();
-                                lock(&in_flight).insert(job.id, Held { lease: job.lease(), cancel: cancel.clone() });
-                                ready.push_back((job, cancel));
+                                hold(&in_flight, &mut ready, job);
                             }
                             // At once, so a stop arriving now finds them in flight, not waiting.
                             start_ready(&mut ready, &mut tasks, &mut task_leases, s.concurrency, &ctx);
@@ -316,9 +314,7 @@ impl Worker {
         while let Some(done) = claims.join_next().await {
             if let Ok(ClaimResult { jobs: Ok(jobs), .. }) = done {
                 for job in jobs {
-                    let cancel = CancellationToken::new();
-                    lock(&in_flight).insert(job.id, Held { lease: job.lease(), cancel: cancel.clone() });
-                    ready.push_back((job, cancel));
+                    hold(&in_flight, &mut ready, job);
                 }
             }
         }
@@ -494,6 +490,14 @@ struct ExecCtx {
     completer: mpsc::Sender<Completion>,
 }
 
+/// Takes a claimed job into the buffer; from now on its lease is heartbeated, and a lost
+/// lease cancels it.
+fn hold(in_flight: &InFlight, ready: &mut VecDeque<(Job, CancellationToken)>, job: Job) {
+    let cancel = CancellationToken::new();
+    lock(in_flight).insert(job.id, Held { lease: job.lease(), cancel: cancel.clone() });
+    ready.push_back((job, cancel));
+}
+
 /// Starts buffered jobs while there are free slots; drops those whose lease was lost
 /// while they waited.
 fn start_ready(
@@ -561,15 +565,7 @@ async fn completion_loop(
 /// Completes one batch, fenced on each lease, and accounts for every job in it.
 async fn complete_batch(pool: PgPool, batch: Vec<Completion>, stats: Arc<WorkerStats>) {
     let leases: Vec<Lease> = batch.iter().map(|c| c.lease).collect();
-    let result = if let [lease] = leases[..] {
-        queue::complete(&pool, lease).await.map(|()| vec![lease]).or_else(|e| match e {
-            QueueError::LeaseLost { .. } => Ok(Vec::new()),
-            e => Err(e),
-        })
-    } else {
-        queue::complete_many(&pool, &leases).await
-    };
-    let done: std::collections::HashSet<Lease> = match result {
+    let done: std::collections::HashSet<Lease> = match queue::complete_many(&pool, &leases).await {
         Ok(done) => done.into_iter().collect(),
         Err(e) => {
             // Still running in the database: the rescuer retries them when their leases

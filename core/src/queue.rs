@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use sqlx::{FromRow, PgExecutor, Postgres, Transaction};
+use sqlx::{FromRow, PgExecutor, Postgres, Row, Transaction};
 use uuid::Uuid;
 
 /// The channel workers LISTEN on; the payload is the queue name.
@@ -286,7 +286,9 @@ pub struct ClaimFilter {
 }
 
 /// The claim statement: `$1` owner, `$2` queues (NULL: every queue), `$3` limit, `$4`
-/// lease seconds; `{paused}` is empty or a filter that skips the paused queues.
+/// lease seconds; `{paused}` is empty or a filter that skips the paused queues; `{from}`
+/// is empty or, for a bounded claim, `(priority, run_at) >= ($5, $6)`, where the index
+/// scan starts (see [`ClaimFrom`]).
 ///
 /// Its plan walks the partial index `jobs_claim_idx` in claim order and stops after `$3`
 /// rows, whatever the backlog (a test checks it with `EXPLAIN`, custom and generic):
@@ -305,20 +307,38 @@ const CLAIM_SQL: &str = r#"
     WHERE j.id = ANY (ARRAY(
         SELECT id FROM jobs
         WHERE state = 'available' AND run_at <= now()
-          AND ($2::text[] IS NULL OR queue = ANY ($2)) {paused}
+          AND ($2::text[] IS NULL OR queue = ANY ($2)) {paused} {from}
         ORDER BY priority, run_at, id
         LIMIT $3
         FOR UPDATE SKIP LOCKED))
     RETURNING j.*
 "#;
 
-/// The claim statement skipping `paused`.
-pub fn claim_sql(paused: &[String]) -> String {
+/// Where a bounded claim starts in claim order: the claim skips every job that sorts
+/// before `(priority, run_at)`.
+///
+/// A claim walks `jobs_claim_idx` from its front. The versions of jobs claimed lately stay
+/// in that index until no snapshot can see them; while a long transaction pins the xmin
+/// horizon, none can be removed, and every claim steps over all the jobs claimed since
+/// the pin began (tens of thousands after a few minutes) before it reaches a live one.
+/// A worker that notices its claims slowing down starts them a little behind the last
+/// job it claimed instead (see the worker's claim cursor), and still runs an unbounded
+/// claim regularly for what sorts earlier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimFrom {
+    pub priority: i16,
+    pub run_at: DateTime<Utc>,
+}
+
+/// The claim statement skipping `paused`, bounded (`$5`, `$6`, see [`ClaimFrom`]) or not.
+pub fn claim_sql(paused: &[String], bounded: bool) -> String {
+    let from = if bounded { "AND (priority, run_at) >= ($5, $6)" } else { "" };
+    let sql = CLAIM_SQL.replace("{from}", from);
     if paused.is_empty() {
-        return CLAIM_SQL.replace("{paused}", "");
+        return sql.replace("{paused}", "");
     }
     let list: Vec<String> = paused.iter().map(|q| sql_literal(q)).collect();
-    CLAIM_SQL.replace("{paused}", &format!("AND queue <> ALL (ARRAY[{}]::text[])", list.join(", ")))
+    sql.replace("{paused}", &format!("AND queue <> ALL (ARRAY[{}]::text[])", list.join(", ")))
 }
 
 /// A string constant that means `s` whatever `standard_conforming_strings` says.
@@ -343,11 +363,11 @@ pub async fn claim_batch(
     lease: Duration,
 ) -> Result<Vec<Job>, QueueError> {
     let paused = paused_queues(db).await?;
-    claim_batch_skipping(db, owner, filter, limit, lease, &paused).await
+    claim_batch_skipping(db, owner, filter, limit, lease, &paused, None).await
 }
 
 /// [`claim_batch`] with the paused queues already known (a worker keeps them between
-/// claims, see [`PAUSE_NOTIFY_PREFIX`]).
+/// claims, see [`PAUSE_NOTIFY_PREFIX`]), bounded by `from` when given.
 #[tracing::instrument(skip_all, fields(worker.id = owner, limit))]
 pub async fn claim_batch_skipping(
     db: &sqlx::PgPool,
@@ -356,25 +376,94 @@ pub async fn claim_batch_skipping(
     limit: i64,
     lease: Duration,
     paused: &[String],
+    from: Option<ClaimFrom>,
 ) -> Result<Vec<Job>, QueueError> {
     // A claim from named queues leaves the paused ones out of its list.
-    let queues: Option<Vec<&str>> = filter
-        .queues
-        .as_ref()
-        .map(|qs| qs.iter().map(String::as_str).filter(|q| !paused.iter().any(|p| p == q)).collect());
+    let queues = unpaused(filter, paused);
     if queues.as_ref().is_some_and(Vec::is_empty) {
         return Ok(Vec::new());
     }
-    let sql = if queues.is_none() { claim_sql(paused) } else { claim_sql(&[]) };
-    let mut jobs: Vec<Job> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-        .bind(owner)
-        .bind(queues)
-        .bind(limit)
-        .bind(lease.as_secs_f64())
-        .fetch_all(db)
-        .await?;
+    let sql = claim_sql(if queues.is_none() { paused } else { &[] }, from.is_some());
+    let mut q = sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(owner).bind(queues).bind(limit).bind(lease.as_secs_f64());
+    if let Some(from) = from {
+        q = q.bind(from.priority).bind(from.run_at);
+    }
+    let mut jobs: Vec<Job> = q.fetch_all(db).await?;
     jobs.sort_by_key(|j| (j.priority, j.run_at, j.id));
     Ok(jobs)
+}
+
+/// [`claim_batch_skipping`] that also completes the held jobs `completing` in the same
+/// statement (one commit for both, as a worker does when a finished job frees the slot it
+/// claims for); returns the jobs claimed and the leases completed (the others were lost
+/// and are left untouched).
+#[allow(clippy::too_many_arguments)]
+#[tracing::instrument(skip_all, fields(worker.id = owner, limit, completing = completing.len()))]
+pub async fn complete_and_claim(
+    db: &sqlx::PgPool,
+    owner: &str,
+    filter: &ClaimFilter,
+    limit: i64,
+    lease: Duration,
+    paused: &[String],
+    from: Option<ClaimFrom>,
+    completing: &[Lease],
+) -> Result<(Vec<Job>, Vec<Lease>), QueueError> {
+    if completing.is_empty() {
+        return Ok((claim_batch_skipping(db, owner, filter, limit, lease, paused, from).await?, Vec::new()));
+    }
+    let queues = unpaused(filter, paused);
+    let limit = if queues.as_ref().is_some_and(Vec::is_empty) { 0 } else { limit };
+    let sql = complete_and_claim_sql(if queues.is_none() { paused } else { &[] }, from.is_some());
+    let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(owner).bind(queues).bind(limit).bind(lease.as_secs_f64());
+    if let Some(from) = from {
+        q = q.bind(from.priority).bind(from.run_at);
+    }
+    let rows = q
+        .bind(completing.iter().map(|l| l.id).collect::<Vec<_>>())
+        .bind(completing.iter().map(|l| l.attempt).collect::<Vec<_>>())
+        .fetch_all(db)
+        .await?;
+    let mut done = Vec::new();
+    if let Some(row) = rows.first() {
+        let ids: Option<Vec<Uuid>> = row.try_get("done_ids")?;
+        let attempts: Option<Vec<i32>> = row.try_get("done_attempts")?;
+        done = ids
+            .unwrap_or_default()
+            .into_iter()
+            .zip(attempts.unwrap_or_default())
+            .map(|(id, attempt)| Lease { id, attempt })
+            .collect();
+    }
+    let mut jobs = Vec::with_capacity(rows.len());
+    for row in &rows {
+        if row.try_get::<Option<Uuid>, _>("id")?.is_some() {
+            jobs.push(Job::from_row(row)?);
+        }
+    }
+    jobs.sort_by_key(|j| (j.priority, j.run_at, j.id));
+    Ok((jobs, done))
+}
+
+/// The statement of [`complete_and_claim`]: the claim statement's parameters, then the
+/// ids and attempts of the jobs to complete. It returns one row per job claimed (at least
+/// one row: the job's columns are NULL when none was) with the completed ids and attempts.
+pub fn complete_and_claim_sql(paused: &[String], bounded: bool) -> String {
+    let (ids, attempts) = if bounded { ("$7", "$8") } else { ("$5", "$6") };
+    format!(
+        "WITH done AS ({}), claimed AS ({}) \
+         SELECT d.done_ids, d.done_attempts, c.* \
+         FROM (SELECT array_agg(id) AS done_ids, array_agg(attempt) AS done_attempts FROM done) d \
+         LEFT JOIN claimed c ON true",
+        COMPLETE_SQL.replace("{ids}", ids).replace("{attempts}", attempts),
+        claim_sql(paused, bounded)
+    )
+}
+
+/// The queues a claim from named queues may take from, paused ones left out; `None`:
+/// every queue.
+fn unpaused<'a>(filter: &'a ClaimFilter, paused: &[String]) -> Option<Vec<&'a str>> {
+    filter.queues.as_ref().map(|qs| qs.iter().map(String::as_str).filter(|q| !paused.iter().any(|p| p == q)).collect())
 }
 
 /// Extends one lease. Fails with `LeaseLost` when the job is no longer held at this epoch.
@@ -466,6 +555,16 @@ pub async fn complete(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), Queue
     fenced(r, lease)
 }
 
+/// Completes the held jobs whose ids and attempts are the arrays `{ids}` and `{attempts}`,
+/// fenced on their leases; returns the ones completed.
+const COMPLETE_SQL: &str = r#"
+    UPDATE jobs d SET state = 'completed', finished_at = now(), lease_owner = NULL,
+        lease_expires_at = NULL, effect_started_at = NULL
+    FROM unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)
+    WHERE d.id = t.id AND d.attempt = t.attempt AND d.state = 'running'
+    RETURNING d.id, d.attempt
+"#;
+
 /// Completes many held jobs in one statement; returns the leases that were still held
 /// (the others were lost and are left untouched).
 pub async fn complete_many(db: impl PgExecutor<'_>, leases: &[Lease]) -> Result<Vec<Lease>, QueueError> {
@@ -474,17 +573,9 @@ pub async fn complete_many(db: impl PgExecutor<'_>, leases: &[Lease]) -> Result<
     }
     let ids: Vec<Uuid> = leases.iter().map(|l| l.id).collect();
     let attempts: Vec<i32> = leases.iter().map(|l| l.attempt).collect();
-    let done: Vec<(Uuid, i32)> = sqlx::query_as(
-        r#"UPDATE jobs j SET state = 'completed', finished_at = now(), lease_owner = NULL,
-               lease_expires_at = NULL, effect_started_at = NULL
-           FROM unnest($1::uuid[], $2::int[]) AS t(id, attempt)
-           WHERE j.id = t.id AND j.attempt = t.attempt AND j.state = 'running'
-           RETURNING j.id, j.attempt"#,
-    )
-    .bind(&ids)
-    .bind(&attempts)
-    .fetch_all(db)
-    .await?;
+    let sql = COMPLETE_SQL.replace("{ids}", "$1").replace("{attempts}", "$2");
+    let done: Vec<(Uuid, i32)> =
+        sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(&ids).bind(&attempts).fetch_all(db).await?;
     Ok(done.into_iter().map(|(id, attempt)| Lease { id, attempt }).collect())
 }
 

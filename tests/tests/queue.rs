@@ -389,8 +389,23 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
     // The statement is kept prepared: its plan must be right both custom (its actual values)
     // and generic (the one a connection may settle on), whatever queues are paused.
     let mut conn = pool.acquire().await.unwrap();
-    for paused in [vec![], vec!["send".to_string()], vec!["send".into(), "it's \\ odd".into()]] {
-        let sql = format!("PREPARE claim(text, text[], bigint, float8) AS {}", queue::claim_sql(&paused));
+    let cases = [vec![], vec!["send".to_string()], vec!["send".into(), "it's \\ odd".into()]];
+    let variants = cases
+        .into_iter()
+        .flat_map(|p| [(p.clone(), false, false), (p.clone(), true, false), (p.clone(), false, true), (p, true, true)]);
+    for (paused, bounded, completing) in variants {
+        // Every variant is prepared with the same 8 parameters (the last ones unused by some).
+        let sql = if completing {
+            queue::complete_and_claim_sql(&paused, bounded)
+        } else {
+            queue::claim_sql(&paused, bounded)
+        };
+        let sql = if completing && !bounded {
+            sql.replace("$5::uuid[]", "$7::uuid[]").replace("$6::int[]", "$8::int[]")
+        } else {
+            sql
+        };
+        let sql = format!("PREPARE claim(text, text[], bigint, float8, int2, timestamptz, uuid[], int[]) AS {sql}");
         sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut *conn).await.unwrap();
         for mode in ["force_custom_plan", "force_generic_plan"] {
             sqlx::query(sqlx::AssertSqlSafe(format!("SET plan_cache_mode = {mode}")))
@@ -398,11 +413,17 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
                 .await
                 .unwrap();
             for queues in ["NULL", "'{default}'"] {
-                let sql = format!("EXPLAIN EXECUTE claim('w', {queues}, 10, 30)");
+                let sql = format!(
+                    "EXPLAIN EXECUTE claim('w', {queues}, 10, 30, 100, now() - interval '1 hour', '{{}}', '{{}}')"
+                );
                 let plan: Vec<String> =
                     sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_all(&mut *conn).await.unwrap();
                 let plan = plan.join("\n");
-                let case = format!("paused {paused:?}, {mode}, queues {queues}");
+                let case =
+                    format!("paused {paused:?}, bounded {bounded}, completing {completing}, {mode}, queues {queues}");
+                if bounded {
+                    assert!(plan.contains("ROW(priority, run_at) >="), "{case}: the bound starts the scan: {plan}");
+                }
                 assert!(plan.contains("Index Scan using jobs_claim_idx"), "{case}: {plan}");
                 assert!(!plan.contains("Sort"), "{case}: no sort of the backlog: {plan}");
                 assert!(!plan.contains("Seq Scan on jobs"), "{case}: no scan of the table: {plan}");
@@ -414,6 +435,101 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
     drop(conn);
     let claimed = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10, LEASE).await.unwrap();
     assert_eq!(claimed.len(), 10);
+}
+
+/// Buffers the scan of the claim index touches in one claim of up to 10 jobs, from the
+/// front of the index or from `from`; the claim is rolled back.
+async fn claim_buffers(pool: &PgPool, from: Option<queue::ClaimFrom>) -> i64 {
+    let mut tx = pool.begin().await.unwrap();
+    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", queue::claim_sql(&[], from.is_some()));
+    let mut q = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).bind("w").bind(None::<Vec<String>>).bind(10i64).bind(30.0);
+    if let Some(from) = from {
+        q = q.bind(from.priority).bind(from.run_at);
+    }
+    let plan: serde_json::Value = q.fetch_one(&mut *tx).await.unwrap();
+    tx.rollback().await.unwrap();
+    fn scan(node: &serde_json::Value) -> Option<&serde_json::Value> {
+        if node["Index Name"] == "jobs_claim_idx" {
+            return Some(node);
+        }
+        node["Plans"].as_array()?.iter().find_map(scan)
+    }
+    let scan = scan(&plan[0]["Plan"]).expect("the claim scans jobs_claim_idx");
+    scan["Shared Hit Blocks"].as_i64().unwrap() + scan["Shared Read Blocks"].as_i64().unwrap()
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_pinned_horizon_does_not_make_claims_walk_every_job_claimed_since(pool: PgPool) {
+    // A transaction with an xid: no version of a row changed after it began can be vacuumed
+    // (or skipped by an index scan) until it ends.
+    let mut pin = pool.begin().await.unwrap();
+    sqlx::query("SELECT txid_current()").execute(&mut *pin).await.unwrap();
+    // 20,000 jobs enqueued an hour ago, all claimed and completed since: their old
+    // versions stay at the front of the claim index.
+    sqlx::query(
+        "INSERT INTO jobs (id, kind, queue, payload, run_at) SELECT gen_random_uuid(), 't', 'default', '{}', \
+         now() - interval '1 hour' + i * interval '1 millisecond' FROM generate_series(1, 20000) i",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let old = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 20_000, LEASE).await.unwrap();
+    assert_eq!(old.len(), 20_000);
+    let leases: Vec<queue::Lease> = old.iter().map(|j| j.lease()).collect();
+    assert_eq!(queue::complete_many(&pool, &leases).await.unwrap().len(), 20_000);
+    for _ in 0..10 {
+        enqueue(&pool, NewJob::new("t", json!({}))).await;
+    }
+
+    let from = queue::ClaimFrom { priority: 100, run_at: chrono::Utc::now() - chrono::TimeDelta::minutes(10) };
+    let (front, bounded) = (claim_buffers(&pool, None).await, claim_buffers(&pool, Some(from)).await);
+    eprintln!("buffers per claim: from the front {front}, bounded {bounded}");
+    assert!(bounded * 10 < front, "a bounded claim skips the dead entries: {bounded} vs {front} buffers");
+
+    // A worker notices its slow claims and bounds them, and still finds a job that sorts
+    // before its cursor (a more urgent one, due an hour ago).
+    let mut registry = airlock_worker::Registry::new();
+    registry.register_fn("t", |_ctx| async move { Ok(airlock_worker::Outcome::Completed) });
+    let worker =
+        airlock_worker::Worker::new(pool.clone(), registry, settings("cursor-test", Duration::from_millis(50)));
+    let stats: Stats = worker.stats();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(worker.run(stop.clone()));
+    let left = |pool: PgPool| async move {
+        let n: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state <> 'completed'").fetch_one(&pool).await.unwrap();
+        (n == 0).then_some(())
+    };
+    airlock_tests::harness::wait_for("the first jobs done", Duration::from_secs(30), || left(pool.clone())).await;
+    for _ in 0..30 {
+        for _ in 0..4 {
+            enqueue(&pool, NewJob::new("t", json!({}))).await;
+        }
+        airlock_tests::harness::wait_for("a round done", Duration::from_secs(30), || left(pool.clone())).await;
+    }
+    let bounded = airlock_worker::WorkerStats::get(&stats.bounded_claims);
+    eprintln!("bounded claims: {bounded} of {}", airlock_worker::WorkerStats::get(&stats.claimed));
+    assert!(bounded > 0, "claims started from the cursor");
+    let urgent = enqueue(
+        &pool,
+        NewJob::new("t", json!({})).priority(0).run_at(chrono::Utc::now() - chrono::TimeDelta::hours(2)),
+    )
+    .await;
+    airlock_tests::harness::wait_for("the urgent job done", Duration::from_secs(30), || left(pool.clone())).await;
+    stop.cancel();
+    run.await.unwrap().unwrap();
+    pin.rollback().await.unwrap();
+
+    let (total, completed, attempts): (i64, i64, i64) =
+        sqlx::query_as("SELECT count(*), count(*) FILTER (WHERE state = 'completed'), sum(attempt) FROM jobs")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((total, completed), (20_000 + 10 + 120 + 1, total), "every job completed");
+    assert_eq!(attempts, total, "each exactly once");
+    let state: JobState =
+        sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1").bind(urgent.id).fetch_one(&pool).await.unwrap();
+    assert_eq!(state, JobState::Completed);
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
@@ -525,6 +641,18 @@ async fn graceful_stop_in_process_finishes_in_flight_work(pool: PgPool) {
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn batched_claims_and_completions_finish_every_job_once(pool: PgPool) {
+    finish_2000_jobs(pool, 64, 32).await;
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn per_job_claims_carrying_completions_finish_every_job_once(pool: PgPool) {
+    // One claim per free slot: each finished job's completion rides on its slot's next claim.
+    finish_2000_jobs(pool, 1, 1).await;
+}
+
+/// Runs 2,000 no-op jobs through one worker claiming `claim_batch` and completing
+/// `complete_batch` at a time: each runs once, and each completion is counted once.
+async fn finish_2000_jobs(pool: PgPool, claim_batch: usize, complete_batch: usize) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut registry = airlock_worker::Registry::new();
     let record = seen.clone();
@@ -541,9 +669,10 @@ async fn batched_claims_and_completions_finish_every_job_once(pool: PgPool) {
     tx.commit().await.unwrap();
 
     let mut s = settings("batch-test", Duration::from_millis(50));
-    s.claim_batch = 64;
-    s.complete_batch = 32;
+    s.claim_batch = claim_batch;
+    s.complete_batch = complete_batch;
     let worker = airlock_worker::Worker::new(pool.clone(), registry, s);
+    let stats: Stats = worker.stats();
     let stop = tokio_util::sync::CancellationToken::new();
     let run = tokio::spawn(worker.run(stop.clone()));
     airlock_tests::harness::wait_for("2000 completed jobs", Duration::from_secs(120), || {
@@ -566,6 +695,8 @@ async fn batched_claims_and_completions_finish_every_job_once(pool: PgPool) {
     let attempts: i64 =
         sqlx::query_scalar("SELECT count(*) FROM jobs WHERE attempt <> 1").fetch_one(&pool).await.unwrap();
     assert_eq!(attempts, 0);
+    assert_eq!(airlock_worker::WorkerStats::get(&stats.completed), 2000, "every completion counted once");
+    assert_eq!(airlock_worker::WorkerStats::get(&stats.lease_lost), 0);
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]

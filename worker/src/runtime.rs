@@ -12,13 +12,14 @@
 //!   about the others once their lease expires).
 //! - Every loop selects on its cancellation token; no bare sleep.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use airlock_core::fault;
-use airlock_core::queue::{self, ClaimFilter, Job, Lease, QueueError, RescueCounts};
+use airlock_core::queue::{self, ClaimFilter, ClaimFrom, Job, Lease, QueueError, RescueCounts};
+use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio::sync::{Notify, mpsc};
@@ -109,6 +110,8 @@ pub struct WorkerStats {
     pub claims_after_notify: AtomicU64,
     /// Claims that returned jobs after the poll interval elapsed.
     pub claims_after_poll: AtomicU64,
+    /// Claims that started from the claim cursor instead of the front of the claim index.
+    pub bounded_claims: AtomicU64,
     /// Whether the LISTEN connection is up.
     pub listening: std::sync::atomic::AtomicBool,
 }
@@ -134,6 +137,8 @@ type InFlight = Arc<Mutex<HashMap<uuid::Uuid, Held>>>;
 /// How an execution ended, for the shutdown path.
 enum Ended {
     Finished,
+    /// The handler succeeded; its completion rides on the worker's next claim.
+    Completed(Completion),
     /// The handler was cancelled before it wrote a result.
     Abandoned(Lease),
 }
@@ -168,6 +173,7 @@ impl Worker {
         let in_flight: InFlight = Arc::new(Mutex::new(HashMap::new()));
         let wake = Arc::new(Notify::new());
         let pauses = Arc::new(Pauses::default());
+        let cursor = Arc::new(ClaimCursor::default());
         // Background loops live until the drain is over (heartbeats must outlive it).
         let background = CancellationToken::new();
         let mut loops = JoinSet::new();
@@ -175,6 +181,7 @@ impl Worker {
             self.pool.clone(),
             wake.clone(),
             pauses.clone(),
+            cursor.clone(),
             self.stats.clone(),
             background.clone(),
         ));
@@ -219,6 +226,9 @@ impl Worker {
             parallel,
             self.stats.clone(),
         ));
+        // One claim per free slot: a finished job's completion and its slot's next claim are
+        // one statement.
+        let want_per_slot = s.claim_batch.max(1) < s.concurrency && s.complete_batch <= 1;
         let ctx = ExecCtx {
             pool: self.pool.clone(),
             registry: self.registry.clone(),
@@ -226,6 +236,7 @@ impl Worker {
             in_flight: in_flight.clone(),
             stats: self.stats.clone(),
             completer: completer.clone(),
+            exchange: want_per_slot,
         };
         let claim_ctx = ClaimCtx {
             pool: self.pool.clone(),
@@ -233,6 +244,9 @@ impl Worker {
             filter: ClaimFilter { queues: s.queues.clone() },
             lease: s.lease,
             pauses: pauses.clone(),
+            cursor,
+            stats: self.stats.clone(),
+            completer: completer.clone(),
         };
         let want = s.claim_batch.max(1);
         // Claims run as tasks of their own, so claiming overlaps running and completing: in
@@ -246,6 +260,8 @@ impl Worker {
         let mut woke_by_notify = false;
         let mut db_backoff = Duration::from_millis(100);
         let mut backoff_until: Option<tokio::time::Instant> = None;
+        // Completions waiting for the next claim (see `exchange`).
+        let mut pending: Vec<Completion> = Vec::new();
 
         while !shutdown.is_cancelled() {
             start_ready(&mut ready, &mut tasks, &mut task_leases, s.concurrency, &ctx);
@@ -253,15 +269,19 @@ impl Worker {
                 if want < s.concurrency {
                     let free = s.concurrency.saturating_sub(tasks.len() + ready.len() + reserved);
                     for _ in 0..free / want {
-                        spawn_claim(&mut claims, &claim_ctx, want, woke_by_notify);
+                        spawn_claim(&mut claims, &claim_ctx, want, woke_by_notify, std::mem::take(&mut pending));
                         reserved += want;
                     }
                 } else if claims.is_empty()
                     && ready.len() * 2 < want
                     && tasks.len() + ready.len() < s.concurrency + want
                 {
-                    spawn_claim(&mut claims, &claim_ctx, want, woke_by_notify);
+                    spawn_claim(&mut claims, &claim_ctx, want, woke_by_notify, Vec::new());
                 }
+            }
+            // No claim to ride on: complete them on their own.
+            for c in pending.drain(..) {
+                hand_over(&completer, c);
             }
             woke_by_notify = false;
             let has_room = tasks.len() + ready.len() < s.concurrency;
@@ -298,7 +318,7 @@ impl Worker {
                     }
                 }
                 Some(done) = tasks.join_next_with_id() => {
-                    reap(done, &mut task_leases, &self.pool, &in_flight, &self.stats).await;
+                    pending.extend(reap(done, &mut task_leases, &self.pool, &in_flight, &self.stats).await);
                 }
                 // A notification also means the database answers again: no need to sit out
                 // the rest of a back-off.
@@ -310,6 +330,9 @@ impl Worker {
             }
         }
 
+        for c in pending.drain(..) {
+            hand_over(&completer, c);
+        }
         // Claims still in flight: their jobs join the buffer.
         while let Some(done) = claims.join_next().await {
             if let Ok(ClaimResult { jobs: Ok(jobs), .. }) = done {
@@ -334,7 +357,11 @@ impl Worker {
         let deadline = tokio::time::Instant::now() + s.shutdown_grace;
         while !tasks.is_empty() {
             match tokio::time::timeout_at(deadline, tasks.join_next_with_id()).await {
-                Ok(Some(done)) => reap(done, &mut task_leases, &self.pool, &in_flight, &self.stats).await,
+                Ok(Some(done)) => {
+                    if let Some(c) = reap(done, &mut task_leases, &self.pool, &in_flight, &self.stats).await {
+                        hand_over(&completer, c);
+                    }
+                }
                 Ok(None) => break,
                 Err(_) => break,
             }
@@ -346,10 +373,13 @@ impl Worker {
                 held.cancel.cancel();
             }
             while let Some(done) = tasks.join_next_with_id().await {
-                reap(done, &mut task_leases, &self.pool, &in_flight, &self.stats).await;
+                if let Some(c) = reap(done, &mut task_leases, &self.pool, &in_flight, &self.stats).await {
+                    hand_over(&completer, c);
+                }
             }
         }
         drop(ctx);
+        drop(claim_ctx);
         drop(completer);
         background.cancel();
         while loops.join_next().await.is_some() {}
@@ -407,6 +437,77 @@ impl Pauses {
     }
 }
 
+/// Where this worker's claims start. Normally every claim walks the claim index from
+/// its front, which is cheap. When that becomes slow (the front is full of entries of
+/// jobs already claimed that no vacuum may remove yet, see [`ClaimFrom`]), claims start
+/// [`CURSOR_SLACK`] behind the last job claimed instead, and an unbounded claim still runs
+/// at least every [`UNBOUNDED_EVERY`] (less often when it is slower, so it never takes
+/// more than about 1/[`UNBOUNDED_SHARE`] of the time) to find what sorts earlier: a job
+/// of a more urgent priority, released or rescued, or of a resumed queue. Such a job waits
+/// at most that long; no job is skipped for good.
+#[derive(Default)]
+struct ClaimCursor {
+    state: Mutex<CursorState>,
+}
+
+#[derive(Default)]
+struct CursorState {
+    /// The ordering key of the last job claimed, in claim order.
+    last: Option<(i16, DateTime<Utc>)>,
+    /// When the latest unbounded claim started, and how long it took.
+    unbounded_at: Option<Instant>,
+    unbounded_took: Duration,
+}
+
+/// An unbounded claim slower than this means that claims should start from the cursor.
+const CURSOR_ENGAGE: Duration = Duration::from_millis(2);
+/// How far behind the last job claimed a bounded claim starts: a job enqueued by a
+/// transaction that began earlier (its `run_at` is that transaction's start) and committed
+/// later still sorts after the bound.
+const CURSOR_SLACK: chrono::TimeDelta = chrono::TimeDelta::seconds(1);
+/// The longest wait for an unbounded claim while claims start from the cursor.
+const UNBOUNDED_EVERY: Duration = Duration::from_secs(1);
+/// Unbounded claims are spaced at least this many times their own duration.
+const UNBOUNDED_SHARE: u32 = 50;
+
+impl ClaimCursor {
+    /// Where the next claim starts; `None`: from the front.
+    fn from(&self, now: Instant) -> Option<ClaimFrom> {
+        let st = lock(&self.state);
+        let (priority, run_at) = st.last?;
+        let at = st.unbounded_at?;
+        if st.unbounded_took < CURSOR_ENGAGE
+            || now.saturating_duration_since(at) >= UNBOUNDED_EVERY.max(st.unbounded_took * UNBOUNDED_SHARE)
+        {
+            return None;
+        }
+        Some(ClaimFrom { priority, run_at: run_at - CURSOR_SLACK })
+    }
+
+    /// Takes in what a claim that started at `started` brought back (in claim order).
+    fn record(&self, from: Option<ClaimFrom>, started: Instant, took: Duration, jobs: &[Job]) {
+        let mut st = lock(&self.state);
+        let last = jobs.last().map(|j| (j.priority, j.run_at));
+        if from.is_none() {
+            if st.unbounded_at.is_none_or(|at| at <= started) {
+                st.unbounded_at = Some(started);
+                st.unbounded_took = took;
+            }
+            // An unbounded claim may have found jobs sorting before the cursor: start again from there.
+            if last.is_some() {
+                st.last = last;
+            }
+        } else if let Some(last) = last {
+            st.last = Some(st.last.map_or(last, |l| l.max(last)));
+        }
+    }
+
+    /// The next claim is unbounded (jobs may have appeared before the cursor).
+    fn rewind(&self) {
+        lock(&self.state).unbounded_at = None;
+    }
+}
+
 /// Settles a finished task: releases an abandoned job, fails a panicked one.
 async fn reap(
     done: Result<(tokio::task::Id, Ended), tokio::task::JoinError>,
@@ -414,10 +515,14 @@ async fn reap(
     pool: &PgPool,
     in_flight: &InFlight,
     stats: &WorkerStats,
-) {
+) -> Option<Completion> {
     match done {
         Ok((id, Ended::Finished)) => {
             task_leases.remove(&id);
+        }
+        Ok((id, Ended::Completed(c))) => {
+            task_leases.remove(&id);
+            return Some(c);
         }
         Ok((id, Ended::Abandoned(lease))) => {
             task_leases.remove(&id);
@@ -430,7 +535,7 @@ async fn reap(
             }
         }
         Err(e) => {
-            let Some(lease) = task_leases.remove(&e.id()) else { return };
+            let lease = task_leases.remove(&e.id())?;
             lock(in_flight).remove(&lease.id);
             tracing::error!(job.id = %lease.id, error = %e, "job handler panicked");
             match queue::fail(pool, lease, "handler panicked", false, None).await {
@@ -438,6 +543,18 @@ async fn reap(
                 Err(e) => tracing::warn!(job.id = %lease.id, error = %e, "could not fail panicked job"),
             }
         }
+    }
+    None
+}
+
+/// Gives a completion to the completer without waiting (a full channel gets a task of
+/// its own to wait in).
+fn hand_over(completer: &mpsc::Sender<Completion>, c: Completion) {
+    if let Err(mpsc::error::TrySendError::Full(c)) = completer.try_send(c) {
+        let completer = completer.clone();
+        tokio::spawn(async move {
+            let _ = completer.send(c).await;
+        });
     }
 }
 
@@ -461,20 +578,54 @@ struct ClaimCtx {
     filter: ClaimFilter,
     lease: Duration,
     pauses: Arc<Pauses>,
+    cursor: Arc<ClaimCursor>,
+    stats: Arc<WorkerStats>,
+    /// Where completions go when the claim they rode on failed.
+    completer: mpsc::Sender<Completion>,
 }
 
-/// Starts one claim of up to `want` jobs as a task of its own.
-fn spawn_claim(claims: &mut JoinSet<ClaimResult>, c: &ClaimCtx, want: usize, after_notify: bool) {
+/// Starts one claim of up to `want` jobs as a task of its own; it also completes
+/// `completing` in the same statement.
+fn spawn_claim(
+    claims: &mut JoinSet<ClaimResult>,
+    c: &ClaimCtx,
+    want: usize,
+    after_notify: bool,
+    completing: Vec<Completion>,
+) {
     let c = c.clone();
     claims.spawn(async move {
         let started = Instant::now();
-        let jobs = match c.pauses.get(&c.pool).await {
+        let from = c.cursor.from(started);
+        let leases: Vec<Lease> = completing.iter().map(|x| x.lease).collect();
+        let result = match c.pauses.get(&c.pool).await {
             Ok(paused) => {
-                queue::claim_batch_skipping(&c.pool, &c.owner, &c.filter, want as i64, c.lease, &paused).await
+                queue::complete_and_claim(&c.pool, &c.owner, &c.filter, want as i64, c.lease, &paused, from, &leases)
+                    .await
             }
             Err(e) => Err(e),
         };
-        ClaimResult { jobs, took: started.elapsed(), after_notify }
+        let took = started.elapsed();
+        let jobs = match result {
+            Ok((jobs, done)) => {
+                account(completing, &done.into_iter().collect(), &c.stats).await;
+                Ok(jobs)
+            }
+            Err(e) => {
+                // Not completed: the completer tries them on their own.
+                for x in completing {
+                    let _ = c.completer.send(x).await;
+                }
+                Err(e)
+            }
+        };
+        if let Ok(jobs) = &jobs {
+            c.cursor.record(from, started, took, jobs);
+        }
+        if from.is_some() {
+            bump(&c.stats.bounded_claims);
+        }
+        ClaimResult { jobs, took, after_notify }
     });
 }
 
@@ -488,6 +639,9 @@ struct ExecCtx {
     stats: Arc<WorkerStats>,
     /// Takes successful jobs' completions off their slots.
     completer: mpsc::Sender<Completion>,
+    /// Successful jobs hand their completion back to the worker, which completes it in the
+    /// statement that claims the freed slot's next job (one claim per slot).
+    exchange: bool,
 }
 
 /// Takes a claimed job into the buffer; from now on its lease is heartbeated, and a lost
@@ -565,7 +719,7 @@ async fn completion_loop(
 /// Completes one batch, fenced on each lease, and accounts for every job in it.
 async fn complete_batch(pool: PgPool, batch: Vec<Completion>, stats: Arc<WorkerStats>) {
     let leases: Vec<Lease> = batch.iter().map(|c| c.lease).collect();
-    let done: std::collections::HashSet<Lease> = match queue::complete_many(&pool, &leases).await {
+    let done: HashSet<Lease> = match queue::complete_many(&pool, &leases).await {
         Ok(done) => done.into_iter().collect(),
         Err(e) => {
             // Still running in the database: the rescuer retries them when their leases
@@ -574,6 +728,12 @@ async fn complete_batch(pool: PgPool, batch: Vec<Completion>, stats: Arc<WorkerS
             return;
         }
     };
+    account(batch, &done, &stats).await;
+}
+
+/// Counts the completions of `batch`: those in `done` were completed, the others had lost
+/// their leases.
+async fn account(batch: Vec<Completion>, done: &HashSet<Lease>, stats: &WorkerStats) {
     for c in batch {
         let outcome = if done.contains(&c.lease) {
             bump(&stats.completed);
@@ -624,6 +784,9 @@ async fn execute(ctx: ExecCtx, job: Job, cancel: CancellationToken) -> Ended {
     let applied = match result {
         Ok(Outcome::Completed) => {
             let completion = Completion { lease, kind: job.kind.clone() };
+            if ctx.exchange {
+                return Ended::Completed(completion);
+            }
             if ctx.completer.send(completion).await.is_ok() {
                 // The completer accounts for it once its statement commits.
                 return Ended::Finished;
@@ -697,6 +860,7 @@ async fn listen_loop(
     pool: PgPool,
     wake: Arc<Notify>,
     pauses: Arc<Pauses>,
+    cursor: Arc<ClaimCursor>,
     stats: Arc<WorkerStats>,
     stop: CancellationToken,
 ) {
@@ -724,6 +888,7 @@ async fn listen_loop(
         };
         backoff = Duration::from_millis(100);
         pauses.invalidate();
+        cursor.rewind();
         stats.listening.store(true, Ordering::SeqCst);
         wake.notify_one();
         loop {
@@ -733,6 +898,7 @@ async fn listen_loop(
                     Ok(Some(n)) => {
                         if n.payload().starts_with(queue::PAUSE_NOTIFY_PREFIX) {
                             pauses.invalidate();
+                            cursor.rewind();
                         }
                         bump(&stats.notify_wakeups);
                         wake.notify_one();
@@ -740,6 +906,7 @@ async fn listen_loop(
                     // The connection was lost and re-established: notifications may be missed.
                     Ok(None) => {
                         pauses.invalidate();
+                        cursor.rewind();
                         wake.notify_one();
                     }
                     Err(e) => {

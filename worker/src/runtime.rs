@@ -219,8 +219,10 @@ impl Worker {
         // its completion joins the next statement (many share one commit under load).
         let (completer, completions) = mpsc::channel(4 * s.complete_batch.max(s.concurrency));
         let parallel = if s.complete_batch <= 1 { s.concurrency } else { COMPLETION_STATEMENTS };
+        // Claims and completions: at most one statement per slot, plus the completer's.
+        let queue_pool = airlock_core::db::generic_plans(&self.pool, (s.concurrency + parallel) as u32);
         loops.spawn(completion_loop(
-            self.pool.clone(),
+            queue_pool.clone(),
             completions,
             s.complete_batch.max(1),
             parallel,
@@ -239,7 +241,7 @@ impl Worker {
             exchange: want_per_slot,
         };
         let claim_ctx = ClaimCtx {
-            pool: self.pool.clone(),
+            pool: queue_pool.clone(),
             owner: s.id.clone(),
             filter: ClaimFilter { queues: s.queues.clone() },
             lease: s.lease,
@@ -383,6 +385,7 @@ impl Worker {
         drop(completer);
         background.cancel();
         while loops.join_next().await.is_some() {}
+        queue_pool.close().await;
         if let Err(e) = airlock_core::fleet::mark_stopped(&self.pool, &s.id).await {
             tracing::warn!(error = %e, "could not mark the worker stopped");
         }

@@ -509,7 +509,9 @@ async fn main() -> anyhow::Result<()> {
     let mut results = serde_json::Map::new();
     let mut rss_seen: f64 = 0.0;
     let put = |m: &mut serde_json::Map<String, Value>, k: &str, v: f64| {
-        m.insert(k.to_string(), json!((v * 100.0).round() / 100.0));
+        // Ratios keep three decimals, so one just under a target does not round up to it.
+        let scale = if k.contains("ratio") { 1000.0 } else { 100.0 };
+        m.insert(k.to_string(), json!((v * scale).round() / scale));
     };
 
     let (mut c1, mut c100) = (f64::NAN, f64::NAN);

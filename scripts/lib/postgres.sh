@@ -3,7 +3,8 @@
 # started a cluster, AIRLOCK_PG_STARTED_DIR (stop it with `airlock_postgres_stop`).
 # `airlock_postgres_throwaway` always starts a cluster of its own (for runs that restart
 # or break the server: never the shared one), and `airlock_postgres_restart_cmd` prints
-# the command that restarts it.
+# the command that restarts it. A throwaway cluster skips fsync for speed, unless
+# AIRLOCK_PG_DURABLE=1 (stock durability, for measurements).
 
 _pg_answers() {
   # $1: URL. True when a server accepts a query there.
@@ -64,8 +65,10 @@ airlock_postgres_throwaway() {
   fi
   "${run_as[@]}" "$bin/initdb" -D "$dir/data" -A trust -U postgres --no-sync -E UTF8 >"$dir/initdb.log" 2>&1 \
     || { cat "$dir/initdb.log" >&2; return 1; }
+  local speed="-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+  [ "${AIRLOCK_PG_DURABLE:-0}" = 1 ] && speed=""
   "${run_as[@]}" "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-    -o "-p $port -k $dir/sock -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300" \
+    -o "-p $port -k $dir/sock -c listen_addresses=127.0.0.1 $speed -c max_connections=300" \
     start >&2 || { cat "$dir/server.log" >&2; return 1; }
   export AIRLOCK_PG_STARTED_DIR="$dir" AIRLOCK_PG_BIN="$bin"
   export DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"

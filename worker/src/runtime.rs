@@ -3,14 +3,16 @@
 //! down gracefully.
 //!
 //! Invariants:
-//! - Only as many jobs are claimed as there are free slots, so every claimed job starts
-//!   at once; none waits claimed-but-unstarted behind a busy worker.
+//! - Jobs are claimed for free slots; a batched claim (`claim_batch` above the free slots)
+//!   keeps at most one batch waiting beyond them, heartbeated like running jobs and given
+//!   back on stop.
 //! - Every write for a claimed job is fenced on its lease; a lost lease cancels the job's
 //!   handler and its result is dropped.
 //! - On shutdown: stop claiming, let in-flight jobs finish within the grace period, then
 //!   cancel the rest and release those whose effect has not started (the rescuer decides
 //!   about the others once their lease expires).
-//! - Every loop selects on its cancellation token; no bare sleep.
+//! - Every loop selects on its cancellation token; no bare sleep (but for the bounded
+//!   retries of a failed completion statement, which finish even during a stop).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -682,6 +684,10 @@ struct Completion {
     kind: String,
 }
 
+/// The longest pause between two tries of a failed completion statement (about 1.5 s of
+/// tries in all).
+const COMPLETION_RETRY_MAX: Duration = Duration::from_millis(800);
+
 /// Completion statements in flight at once when completions are batched.
 const COMPLETION_STATEMENTS: usize = 2;
 
@@ -722,13 +728,24 @@ async fn completion_loop(
 /// Completes one batch, fenced on each lease, and accounts for every job in it.
 async fn complete_batch(pool: PgPool, batch: Vec<Completion>, stats: Arc<WorkerStats>) {
     let leases: Vec<Lease> = batch.iter().map(|c| c.lease).collect();
-    let done: HashSet<Lease> = match queue::complete_many(&pool, &leases).await {
-        Ok(done) => done.into_iter().collect(),
-        Err(e) => {
-            // Still running in the database: the rescuer retries them when their leases
-            // expire (their handlers succeeded, so they are pure or idempotent here).
-            tracing::error!(error = %e, jobs = batch.len(), "could not record job completions");
-            return;
+    // A lost connection or a restarting database fails the statement: try again for a
+    // while, since the statement is fenced on each lease (applying it twice changes
+    // nothing; a job completed by an attempt whose answer was lost counts as lease lost).
+    let mut wait = Duration::from_millis(50);
+    let done: HashSet<Lease> = loop {
+        match queue::complete_many(&pool, &leases).await {
+            Ok(done) => break done.into_iter().collect(),
+            Err(e) if wait <= COMPLETION_RETRY_MAX => {
+                tracing::warn!(error = %e, jobs = batch.len(), "could not record job completions; retrying");
+                tokio::time::sleep(wait).await;
+                wait *= 2;
+            }
+            Err(e) => {
+                // Still running in the database: the rescuer retries them when their leases
+                // expire (their handlers succeeded, so they are pure or idempotent here).
+                tracing::error!(error = %e, jobs = batch.len(), "could not record job completions");
+                return;
+            }
         }
     };
     account(batch, &done, &stats).await;

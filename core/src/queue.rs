@@ -363,69 +363,61 @@ pub async fn claim_batch(
     lease: Duration,
 ) -> Result<Vec<Job>, QueueError> {
     let paused = paused_queues(db).await?;
-    claim_batch_skipping(db, owner, filter, limit, lease, &paused, None).await
+    let claim = Claim { owner, filter, limit, lease, paused: &paused, from: None };
+    Ok(complete_and_claim(db, &claim, &[]).await?.0)
 }
 
-/// [`claim_batch`] with the paused queues already known (a worker keeps them between
-/// claims, see [`PAUSE_NOTIFY_PREFIX`]), bounded by `from` when given.
-#[tracing::instrument(skip_all, fields(worker.id = owner, limit))]
-pub async fn claim_batch_skipping(
-    db: &sqlx::PgPool,
-    owner: &str,
-    filter: &ClaimFilter,
-    limit: i64,
-    lease: Duration,
-    paused: &[String],
-    from: Option<ClaimFrom>,
-) -> Result<Vec<Job>, QueueError> {
-    // A claim from named queues leaves the paused ones out of its list.
-    let queues = unpaused(filter, paused);
-    if queues.as_ref().is_some_and(Vec::is_empty) {
-        return Ok(Vec::new());
-    }
-    let sql = claim_sql(if queues.is_none() { paused } else { &[] }, from.is_some());
-    let mut q = sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(owner).bind(queues).bind(limit).bind(lease.as_secs_f64());
-    if let Some(from) = from {
-        q = q.bind(from.priority).bind(from.run_at);
-    }
-    let mut jobs: Vec<Job> = q.fetch_all(db).await?;
-    jobs.sort_by_key(|j| (j.priority, j.run_at, j.id));
-    Ok(jobs)
+/// One claim, as a worker makes it.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    pub owner: &'a str,
+    pub filter: &'a ClaimFilter,
+    /// The most jobs to claim.
+    pub limit: i64,
+    pub lease: Duration,
+    /// The queues paused now (a worker keeps them between claims, see
+    /// [`PAUSE_NOTIFY_PREFIX`]).
+    pub paused: &'a [String],
+    /// Where the claim starts; `None`: from the front.
+    pub from: Option<ClaimFrom>,
 }
 
-/// [`claim_batch_skipping`] that also completes the held jobs `completing` in the same
-/// statement (one commit for both, as a worker does when a finished job frees the slot it
-/// claims for); returns the jobs claimed and the leases completed (the others were lost
-/// and are left untouched).
-#[allow(clippy::too_many_arguments)]
-#[tracing::instrument(skip_all, fields(worker.id = owner, limit, completing = completing.len()))]
+/// Completes the held jobs `completing` and makes `claim`, in one statement (one commit
+/// for both, as a worker does when a finished job frees the slot it claims for). Returns
+/// the jobs claimed, in claim order, and the leases completed (the others were lost and
+/// are left untouched).
+#[tracing::instrument(skip_all, fields(worker.id = claim.owner, limit = claim.limit, completing = completing.len()))]
 pub async fn complete_and_claim(
     db: &sqlx::PgPool,
-    owner: &str,
-    filter: &ClaimFilter,
-    limit: i64,
-    lease: Duration,
-    paused: &[String],
-    from: Option<ClaimFrom>,
+    claim: &Claim<'_>,
     completing: &[Lease],
 ) -> Result<(Vec<Job>, Vec<Lease>), QueueError> {
-    if completing.is_empty() {
-        return Ok((claim_batch_skipping(db, owner, filter, limit, lease, paused, from).await?, Vec::new()));
+    // A claim from named queues leaves the paused ones out of its list.
+    let queues = unpaused(claim.filter, claim.paused);
+    let nothing_to_claim = queues.as_ref().is_some_and(Vec::is_empty);
+    if nothing_to_claim && completing.is_empty() {
+        return Ok((Vec::new(), Vec::new()));
     }
-    let queues = unpaused(filter, paused);
-    let limit = if queues.as_ref().is_some_and(Vec::is_empty) { 0 } else { limit };
-    let sql = complete_and_claim_sql(if queues.is_none() { paused } else { &[] }, from.is_some());
-    let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(owner).bind(queues).bind(limit).bind(lease.as_secs_f64());
-    if let Some(from) = from {
+    let limit = if nothing_to_claim { 0 } else { claim.limit };
+    let paused = if queues.is_none() { claim.paused } else { &[] };
+    let bounded = claim.from.is_some();
+    let sql = if completing.is_empty() { claim_sql(paused, bounded) } else { complete_and_claim_sql(paused, bounded) };
+    let mut q = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(claim.owner)
+        .bind(queues)
+        .bind(limit)
+        .bind(claim.lease.as_secs_f64());
+    if let Some(from) = claim.from {
         q = q.bind(from.priority).bind(from.run_at);
     }
-    let rows = q
-        .bind(completing.iter().map(|l| l.id).collect::<Vec<_>>())
-        .bind(completing.iter().map(|l| l.attempt).collect::<Vec<_>>())
-        .fetch_all(db)
-        .await?;
+    if !completing.is_empty() {
+        q = q
+            .bind(completing.iter().map(|l| l.id).collect::<Vec<_>>())
+            .bind(completing.iter().map(|l| l.attempt).collect::<Vec<_>>());
+    }
+    let rows = q.fetch_all(db).await?;
     let mut done = Vec::new();
-    if let Some(row) = rows.first() {
+    if let Some(row) = rows.first().filter(|_| !completing.is_empty()) {
         let ids: Option<Vec<Uuid>> = row.try_get("done_ids")?;
         let attempts: Option<Vec<i32>> = row.try_get("done_attempts")?;
         done = ids
@@ -437,6 +429,7 @@ pub async fn complete_and_claim(
     }
     let mut jobs = Vec::with_capacity(rows.len());
     for row in &rows {
+        // With completions, a row whose job columns are NULL says that nothing was claimed.
         if row.try_get::<Option<Uuid>, _>("id")?.is_some() {
             jobs.push(Job::from_row(row)?);
         }

@@ -605,8 +605,15 @@ fn spawn_claim(
         let leases: Vec<Lease> = completing.iter().map(|x| x.lease).collect();
         let result = match c.pauses.get(&c.pool).await {
             Ok(paused) => {
-                queue::complete_and_claim(&c.pool, &c.owner, &c.filter, want as i64, c.lease, &paused, from, &leases)
-                    .await
+                let claim = queue::Claim {
+                    owner: &c.owner,
+                    filter: &c.filter,
+                    limit: want as i64,
+                    lease: c.lease,
+                    paused: &paused,
+                    from,
+                };
+                queue::complete_and_claim(&c.pool, &claim, &leases).await
             }
             Err(e) => Err(e),
         };

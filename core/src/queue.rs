@@ -12,6 +12,7 @@
 //! - The rescuer returns expired `pure`/`idempotent` jobs to `available` (with backoff) or
 //!   `failed`; a `non_repeatable` job whose effect may have started goes to `parked`.
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -566,9 +567,9 @@ pub async fn complete_many(db: impl PgExecutor<'_>, leases: &[Lease]) -> Result<
     }
     let ids: Vec<Uuid> = leases.iter().map(|l| l.id).collect();
     let attempts: Vec<i32> = leases.iter().map(|l| l.attempt).collect();
-    let sql = COMPLETE_SQL.replace("{ids}", "$1").replace("{attempts}", "$2");
+    static SQL: LazyLock<String> = LazyLock::new(|| COMPLETE_SQL.replace("{ids}", "$1").replace("{attempts}", "$2"));
     let done: Vec<(Uuid, i32)> =
-        sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(&ids).bind(&attempts).fetch_all(db).await?;
+        sqlx::query_as(sqlx::AssertSqlSafe(SQL.as_str())).bind(&ids).bind(&attempts).fetch_all(db).await?;
     Ok(done.into_iter().map(|(id, attempt)| Lease { id, attempt }).collect())
 }
 

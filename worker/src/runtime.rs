@@ -626,7 +626,7 @@ fn spawn_claim(
             Err(e) => {
                 // Not completed: the completer tries them on their own.
                 for x in completing {
-                    let _ = c.completer.send(x).await;
+                    hand_over(&c.completer, x);
                 }
                 Err(e)
             }
@@ -891,6 +891,12 @@ async fn listen_loop(
     stats: Arc<WorkerStats>,
     stop: CancellationToken,
 ) {
+    // What the worker keeps between claims may be stale: the paused queues, and whether a
+    // job now sorts before its claim cursor.
+    let forget = || {
+        pauses.invalidate();
+        cursor.rewind();
+    };
     let mut backoff = Duration::from_millis(100);
     while !stop.is_cancelled() {
         let listener = async {
@@ -914,8 +920,7 @@ async fn listen_loop(
             },
         };
         backoff = Duration::from_millis(100);
-        pauses.invalidate();
-        cursor.rewind();
+        forget();
         stats.listening.store(true, Ordering::SeqCst);
         wake.notify_one();
         loop {
@@ -924,16 +929,14 @@ async fn listen_loop(
                 n = listener.try_recv() => match n {
                     Ok(Some(n)) => {
                         if n.payload().starts_with(queue::PAUSE_NOTIFY_PREFIX) {
-                            pauses.invalidate();
-                            cursor.rewind();
+                            forget();
                         }
                         bump(&stats.notify_wakeups);
                         wake.notify_one();
                     }
                     // The connection was lost and re-established: notifications may be missed.
                     Ok(None) => {
-                        pauses.invalidate();
-                        cursor.rewind();
+                        forget();
                         wake.notify_one();
                     }
                     Err(e) => {

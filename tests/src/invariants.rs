@@ -83,6 +83,8 @@ struct DeliveryRow {
     state: DeliveryState,
     channel: String,
     idempotency_key: String,
+    version: i32,
+    event_hash: String,
     body: Value,
 }
 
@@ -115,7 +117,7 @@ pub async fn check(pool: &PgPool, accepted: &[Received], hooks: &[Hit]) -> Resul
     let mut v: Vec<String> = Vec::new();
 
     let deliveries: Vec<DeliveryRow> = sqlx::query_as(
-        r#"SELECT d.id, d.state, d.channel::text AS channel, d.idempotency_key, a.body
+        r#"SELECT d.id, d.state, d.channel::text AS channel, d.idempotency_key, d.version, d.event_hash, a.body
            FROM deliveries d JOIN artifacts a ON a.sha256 = d.artifact_sha256 ORDER BY d.id"#,
     )
     .fetch_all(pool)
@@ -327,6 +329,9 @@ pub async fn check(pool: &PgPool, accepted: &[Received], hooks: &[Hit]) -> Resul
         }
         if chain.last().map(|e| e.to_state) != Some(d.state) {
             v.push(format!("delivery {}: the last event does not end in {}", d.id, d.state));
+        }
+        if chain.last().map(|e| (e.seq, e.hash.as_str())) != Some((d.version, d.event_hash.as_str())) {
+            v.push(format!("delivery {}: its head (version {}) is not its last event", d.id, d.version));
         }
     }
     if let Some(id) = airlock_core::audit::verify(pool).await? {

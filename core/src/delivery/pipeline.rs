@@ -16,7 +16,7 @@ use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use super::state::{Action, DeliveryState};
-use super::store::{self, Actor, Delivery, DeliveryError, NewReceipt};
+use super::store::{self, Actor, Delivery, DeliveryError, NewReceipt, Step};
 use crate::artifact::{Artifact, Channel, Limits, ValidationError};
 use crate::audit;
 use crate::channels::EffectOutcome;
@@ -207,42 +207,49 @@ async fn score_once(
     passed_over: &[Uuid],
 ) -> Result<Option<Uuid>, PipelineError> {
     let mut tx = pool.begin().await?;
-    let d = store::lock(&mut *tx, delivery_id).await?;
+    let (d, body) = store::lock_with_artifact(&mut *tx, delivery_id).await?;
     if d.state != DeliveryState::Persisted {
         queue::complete(&mut *tx, lease).await?;
         tx.commit().await?;
         return Ok(None);
     }
-    let body = store::get_artifact(&mut *tx, &d.artifact_sha256).await?.ok_or(PipelineError::NotFound("artifact"))?;
     let artifact = Artifact::from_json(&body, &stored_limits())?;
     let s = scorer.score(&artifact);
     let threshold = cfg.scoring.review_threshold;
-    store::insert_score(&mut *tx, d.id, &d.artifact_sha256, s.value, &s.reasons, scorer.name(), threshold).await?;
-    let actor = Actor::system(&format!("scorer.{}", scorer.name()));
-    let scored_state =
-        store::transition(&mut tx, &d, Action::Score, &actor, None, json!({"score": s.value, "reasons": s.reasons}))
-            .await?;
-    let scored = Delivery { state: scored_state, ..d };
     let (route, why) = if s.value < threshold {
         (Action::RouteToReview, format!("score {} is below the review threshold {threshold}", s.value))
     } else {
         (Action::RouteToApproval, format!("score {} is at or above the review threshold {threshold}", s.value))
     };
-    let routed_state = store::transition(&mut tx, &scored, route, &actor, Some(&why), json!({})).await?;
-    let grant = match routed_state {
-        DeliveryState::AwaitingApproval => {
-            grants::find_match(&mut *tx, &scored.agent, &artifact, s.value, passed_over).await?
-        }
+    // A grant never applies to what goes to review.
+    let grant = match route {
+        Action::RouteToApproval => grants::find_match(&mut *tx, &d.agent, &artifact, s.value, passed_over).await?,
         _ => None,
     };
-    if let Some(grant_id) = grant {
-        let routed = Delivery { state: routed_state, ..scored.clone() };
-        store::insert_approval(&mut *tx, routed.id, &routed.artifact_sha256, None, Some(grant_id), None).await?;
-        let grant_actor = Actor::new("grant", grant_id.to_string());
-        let data = json!({"artifact_sha256": routed.artifact_sha256, "grant_id": grant_id});
-        store::transition(&mut tx, &routed, Action::Approve, &grant_actor, Some("matched a standing grant"), data)
-            .await?;
-        enqueue_send(&mut tx, cfg, &routed).await?;
+    store::insert_score(&mut *tx, d.id, &d.artifact_sha256, s.value, &s.reasons, scorer.name(), threshold).await?;
+    let actor = Actor::system(&format!("scorer.{}", scorer.name()));
+    let grant_actor = grant.map(|g| Actor::new("grant", g.to_string()));
+    let mut steps = vec![
+        Step {
+            action: Action::Score,
+            actor: &actor,
+            reason: None,
+            data: json!({"score": s.value, "reasons": s.reasons}),
+        },
+        Step { action: route, actor: &actor, reason: Some(&why), data: json!({}) },
+    ];
+    if let (Some(grant_id), Some(grant_actor)) = (grant, &grant_actor) {
+        store::insert_approval(&mut *tx, d.id, &d.artifact_sha256, None, Some(grant_id), None).await?;
+        steps.push(Step {
+            action: Action::Approve,
+            actor: grant_actor,
+            reason: Some("matched a standing grant"),
+            data: json!({"artifact_sha256": d.artifact_sha256, "grant_id": grant_id}),
+        });
+    }
+    let moved = store::advance(&mut tx, &d, &steps).await?;
+    if grant.is_some() {
+        enqueue_send(&mut tx, cfg, &moved).await?;
     }
     queue::complete(&mut *tx, lease).await?;
     // Last, so the grant's row stays locked only for the commit: every delivery it approves
@@ -665,19 +672,24 @@ pub async fn begin_send(
     delivery_id: Uuid,
 ) -> Result<SendStart, PipelineError> {
     let mut tx = pool.begin().await?;
-    if !store::send_enabled_locked(&mut *tx).await? {
+    let Some(read) = store::read_for_send(&mut *tx, delivery_id).await? else {
+        return if store::send_enabled_locked(&mut *tx).await? {
+            Err(PipelineError::NotFound("delivery"))
+        } else {
+            Ok(SendStart::SwitchOff)
+        };
+    };
+    if !read.send_enabled {
         return Ok(SendStart::SwitchOff);
     }
-    let d = store::lock(&mut *tx, delivery_id).await?;
+    let (d, approved) = (read.delivery, read.approved_sha256);
     let actor = Actor::new("worker", worker);
     if d.state != DeliveryState::Approved {
         queue::complete(&mut *tx, lease).await?;
         tx.commit().await?;
         return Ok(SendStart::Nothing);
     }
-    let approved = store::approved_sha(&mut *tx, d.id).await?;
-    let body = store::get_artifact(&mut *tx, &d.artifact_sha256).await?.ok_or(PipelineError::NotFound("artifact"))?;
-    let artifact = Artifact::from_json(&body, &stored_limits())?;
+    let artifact = Artifact::from_json(&read.artifact_body, &stored_limits())?;
     let refusal = if approved.as_deref() != Some(d.artifact_sha256.as_str()) {
         Some("no approval matches the current artifact".to_string())
     } else {
@@ -692,7 +704,7 @@ pub async fn begin_send(
     }
     let attempt_id = store::insert_attempt(&mut *tx, d.id, lease.id, lease.attempt, worker, &d.artifact_sha256).await?;
     queue::mark_effect_started(&mut *tx, lease).await?;
-    let state = store::transition(
+    let delivery = store::transition(
         &mut tx,
         &d,
         Action::StartSend,
@@ -702,7 +714,7 @@ pub async fn begin_send(
     )
     .await?;
     tx.commit().await?;
-    Ok(SendStart::Started { delivery: Delivery { state, ..d }, artifact, attempt_id })
+    Ok(SendStart::Started { delivery, artifact, attempt_id })
 }
 
 /// Transaction B of a send: the attempt's outcome, the receipt and the job's end,
@@ -716,7 +728,6 @@ pub async fn record_outcome(
     outcome: &EffectOutcome,
 ) -> Result<DeliveryState, PipelineError> {
     let mut tx = pool.begin().await?;
-    let cur = store::lock(&mut *tx, d.id).await?;
     let actor = Actor::new("worker", worker);
     let detail = outcome.detail();
     let (action, reason): (Action, Option<String>) = match outcome {
@@ -757,8 +768,11 @@ pub async fn record_outcome(
         }
     };
     store::finish_attempt(&mut *tx, attempt_id, outcome.label(), Some(detail)).await?;
-    let state =
-        store::transition(&mut tx, &cur, action, &actor, reason.as_deref(), json!({"attempt_id": attempt_id})).await?;
+    // `d` is the delivery as transaction A left it; the transition's guard refuses it if it
+    // changed since (and the lease fence above refuses a holder that lost the job first).
+    let state = store::transition(&mut tx, d, action, &actor, reason.as_deref(), json!({"attempt_id": attempt_id}))
+        .await?
+        .state;
     tx.commit().await?;
     metrics::counter!(crate::metrics::SEND_ATTEMPTS, "channel" => d.channel.as_str(), "outcome" => outcome.label())
         .increment(1);

@@ -59,6 +59,9 @@ pub struct Delivery {
     pub effect_class: EffectClass,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+    /// The hash of the latest event (the head of the chain).
+    #[serde(skip)]
+    pub event_hash: String,
 }
 
 #[derive(Debug, Clone, FromRow, Serialize)]
@@ -188,7 +191,8 @@ pub async fn find_by_step(
         .await
 }
 
-/// Inserts a delivery in `persisted` with its first event.
+/// Inserts a delivery in `persisted` with its first event, and its artifact unless the
+/// same content is stored already: one statement.
 pub async fn insert_delivery(
     tx: &mut Transaction<'_, Postgres>,
     run_id: Uuid,
@@ -198,17 +202,39 @@ pub async fn insert_delivery(
     idempotency_key: &str,
     actor: &Actor,
 ) -> Result<Delivery, sqlx::Error> {
-    let sha = put_artifact(&mut **tx, artifact).await?;
+    let id = Uuid::now_v7();
+    let sha = artifact.sha256_hex();
+    let size = artifact.canonical_bytes().len() as i32;
     let class = match artifact.channel() {
         Channel::Email => EffectClass::NonRepeatable,
         Channel::Webhook => EffectClass::Idempotent,
     };
-    let d: Delivery = sqlx::query_as(
-        r#"INSERT INTO deliveries (id, run_id, step_id, agent, channel, idempotency_key, artifact_sha256,
-                                   submitted_sha256, effect_class)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8) RETURNING *"#,
+    let actor = actor.label();
+    let reason = "submitted";
+    let data = serde_json::json!({"artifact_sha256": sha});
+    let first = EventContent {
+        delivery_id: id,
+        seq: 1,
+        from: None,
+        to: DeliveryState::Persisted,
+        actor: &actor,
+        reason: Some(reason),
+        data: &data,
+    };
+    let hash = event_hash(None, &first);
+    sqlx::query_as(
+        r#"WITH artifact AS (
+               INSERT INTO artifacts (sha256, body, size_bytes) VALUES ($7, $9, $10) ON CONFLICT (sha256) DO NOTHING),
+           delivery AS (
+               INSERT INTO deliveries (id, run_id, step_id, agent, channel, idempotency_key, artifact_sha256,
+                                       submitted_sha256, effect_class, event_hash)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8, $11) RETURNING *),
+           event AS (
+               INSERT INTO delivery_events (delivery_id, seq, from_state, to_state, actor, reason, data, prev_hash, hash)
+               SELECT id, 1, NULL, 'persisted', $12, $13, $14, NULL, $11 FROM delivery)
+           SELECT * FROM delivery"#,
     )
-    .bind(Uuid::now_v7())
+    .bind(id)
     .bind(run_id)
     .bind(step_id)
     .bind(agent)
@@ -216,19 +242,14 @@ pub async fn insert_delivery(
     .bind(idempotency_key)
     .bind(&sha)
     .bind(class)
+    .bind(artifact.to_json())
+    .bind(size)
+    .bind(&hash)
+    .bind(&actor)
+    .bind(reason)
+    .bind(&data)
     .fetch_one(&mut **tx)
-    .await?;
-    append_event(
-        tx,
-        d.id,
-        None,
-        DeliveryState::Persisted,
-        actor,
-        Some("submitted"),
-        serde_json::json!({"artifact_sha256": sha}),
-    )
-    .await?;
-    Ok(d)
+    .await
 }
 
 pub async fn get(db: impl PgExecutor<'_>, id: Uuid) -> Result<Option<Delivery>, sqlx::Error> {
@@ -244,8 +265,68 @@ pub async fn lock(db: impl PgExecutor<'_>, id: Uuid) -> Result<Delivery, Deliver
         .ok_or(DeliveryError::NotFound(id))
 }
 
-/// Moves a delivery by `action` from the state it was read in, and appends the event.
-/// Refuses an illegal move, and a delivery that changed since it was read.
+/// Reads a delivery with its artifact's body, and locks it for the rest of the transaction.
+pub async fn lock_with_artifact(
+    db: impl PgExecutor<'_>,
+    id: Uuid,
+) -> Result<(Delivery, serde_json::Value), DeliveryError> {
+    #[derive(FromRow)]
+    struct Row {
+        #[sqlx(flatten)]
+        delivery: Delivery,
+        artifact_body: serde_json::Value,
+    }
+    let row: Row = sqlx::query_as(
+        r#"SELECT d.*, a.body AS artifact_body FROM deliveries d JOIN artifacts a ON a.sha256 = d.artifact_sha256
+           WHERE d.id = $1 FOR UPDATE OF d"#,
+    )
+    .bind(id)
+    .fetch_optional(db)
+    .await?
+    .ok_or(DeliveryError::NotFound(id))?;
+    Ok((row.delivery, row.artifact_body))
+}
+
+/// What transaction A of a send reads, in one statement.
+#[derive(Debug, FromRow)]
+pub struct ForSend {
+    /// The send switch, read under a share lock (see [`send_enabled_locked`]).
+    pub send_enabled: bool,
+    /// The delivery, locked for the rest of the transaction.
+    #[sqlx(flatten)]
+    pub delivery: Delivery,
+    pub artifact_body: serde_json::Value,
+    /// The artifact hash of the latest approval, if any.
+    pub approved_sha256: Option<String>,
+}
+
+/// Reads the send switch (share lock), the delivery (row lock), its artifact and its
+/// latest approval; `None` when there is no such delivery.
+pub async fn read_for_send(db: impl PgExecutor<'_>, id: Uuid) -> Result<Option<ForSend>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT s.send_enabled, d.*, a.body AS artifact_body,
+                  (SELECT p.artifact_sha256 FROM approvals p WHERE p.delivery_id = d.id
+                   ORDER BY p.created_at DESC, p.id DESC LIMIT 1) AS approved_sha256
+           FROM settings s CROSS JOIN deliveries d JOIN artifacts a ON a.sha256 = d.artifact_sha256
+           WHERE s.id = 1 AND d.id = $1
+           FOR SHARE OF s FOR UPDATE OF d"#,
+    )
+    .bind(id)
+    .fetch_optional(db)
+    .await
+}
+
+/// One move of a delivery: the action, who takes it, why, and what its event carries.
+#[derive(Debug, Clone)]
+pub struct Step<'a> {
+    pub action: Action,
+    pub actor: &'a Actor,
+    pub reason: Option<&'a str>,
+    pub data: serde_json::Value,
+}
+
+/// Moves a delivery by `action` from the state it was read in, and appends the event;
+/// returns the delivery as it now stands. See [`advance`].
 pub async fn transition(
     tx: &mut Transaction<'_, Postgres>,
     d: &Delivery,
@@ -253,23 +334,97 @@ pub async fn transition(
     actor: &Actor,
     reason: Option<&str>,
     data: serde_json::Value,
-) -> Result<DeliveryState, DeliveryError> {
-    let invalid = || DeliveryError::InvalidTransition { from: d.state.as_str(), action: action.as_str() };
-    let to = next(d.state, action).ok_or_else(invalid)?;
+) -> Result<Delivery, DeliveryError> {
+    advance(tx, d, &[Step { action, actor, reason, data }]).await
+}
+
+/// Moves a delivery through `steps` in order, each a legal move from the state the last
+/// one left, with one hash-chained event per step; returns the delivery as it now stands.
+/// One statement: the row's update (to the last state, its version counting every step,
+/// its head the last event's hash) guarded on the state and version it was read in, and
+/// the events' insert. Refuses an illegal move, and a delivery that changed since it was
+/// read; either way nothing is written.
+pub async fn advance(
+    tx: &mut Transaction<'_, Postgres>,
+    d: &Delivery,
+    steps: &[Step<'_>],
+) -> Result<Delivery, DeliveryError> {
+    let refused = |from: DeliveryState, action: Action| DeliveryError::InvalidTransition {
+        from: from.as_str(),
+        action: action.as_str(),
+    };
+    let first = steps.first().ok_or_else(|| DeliveryError::Db(sqlx::Error::Protocol("no step to take".into())))?;
+    let mut ev = EventColumns::default();
+    let (mut state, mut head) = (d.state, d.event_hash.clone());
+    for (i, step) in steps.iter().enumerate() {
+        let to = next(state, step.action).ok_or_else(|| refused(state, step.action))?;
+        let seq = d.version + 1 + i as i32;
+        let actor = step.actor.label();
+        let content = EventContent {
+            delivery_id: d.id,
+            seq,
+            from: Some(state),
+            to,
+            actor: &actor,
+            reason: step.reason,
+            data: &step.data,
+        };
+        let hash = event_hash(Some(&head), &content);
+        ev.seq.push(seq);
+        ev.from.push(state.as_str());
+        ev.to.push(to.as_str());
+        ev.actor.push(actor);
+        ev.reason.push(step.reason);
+        ev.data.push(step.data.clone());
+        ev.prev.push(std::mem::replace(&mut head, hash.clone()));
+        ev.hash.push(hash);
+        state = to;
+    }
     let r = sqlx::query(
-        r#"UPDATE deliveries SET state = $3, version = version + 1, updated_at = now()
-           WHERE id = $1 AND state = $2"#,
+        r#"WITH moved AS (
+               UPDATE deliveries SET state = $3, version = version + $4, event_hash = $5, updated_at = now()
+               WHERE id = $1 AND state = $2 AND version = $6
+               RETURNING id)
+           INSERT INTO delivery_events (delivery_id, seq, from_state, to_state, actor, reason, data, prev_hash, hash)
+           SELECT moved.id, e.seq, e.from_state::delivery_state, e.to_state::delivery_state, e.actor, e.reason,
+                  e.data, e.prev_hash, e.hash
+           FROM moved CROSS JOIN unnest($7::int4[], $8::text[], $9::text[], $10::text[], $11::text[], $12::jsonb[],
+                                        $13::text[], $14::text[])
+                AS e (seq, from_state, to_state, actor, reason, data, prev_hash, hash)"#,
     )
     .bind(d.id)
     .bind(d.state)
-    .bind(to)
+    .bind(state)
+    .bind(steps.len() as i32)
+    .bind(&head)
+    .bind(d.version)
+    .bind(&ev.seq)
+    .bind(&ev.from)
+    .bind(&ev.to)
+    .bind(&ev.actor)
+    .bind(&ev.reason)
+    .bind(&ev.data)
+    .bind(&ev.prev)
+    .bind(&ev.hash)
     .execute(&mut **tx)
     .await?;
     if r.rows_affected() == 0 {
-        return Err(invalid());
+        return Err(refused(d.state, first.action));
     }
-    append_event(tx, d.id, Some(d.state), to, actor, reason, data).await?;
-    Ok(to)
+    Ok(Delivery { state, version: d.version + steps.len() as i32, event_hash: head, ..d.clone() })
+}
+
+/// The events of one [`advance`], column by column (bound as arrays).
+#[derive(Default)]
+struct EventColumns<'a> {
+    seq: Vec<i32>,
+    from: Vec<&'static str>,
+    to: Vec<&'static str>,
+    actor: Vec<String>,
+    reason: Vec<Option<&'a str>>,
+    data: Vec<serde_json::Value>,
+    prev: Vec<String>,
+    hash: Vec<String>,
 }
 
 /// What an event's hash covers.
@@ -291,43 +446,6 @@ pub fn event_hash(prev: Option<&str>, e: &EventContent<'_>) -> String {
         "actor": e.actor, "reason": e.reason, "data": e.data,
     });
     hex::encode(Sha256::digest(content.to_string().as_bytes()))
-}
-
-async fn append_event(
-    tx: &mut Transaction<'_, Postgres>,
-    delivery_id: Uuid,
-    from: Option<DeliveryState>,
-    to: DeliveryState,
-    actor: &Actor,
-    reason: Option<&str>,
-    data: serde_json::Value,
-) -> Result<(), sqlx::Error> {
-    let last: Option<(i32, String)> =
-        sqlx::query_as("SELECT seq, hash FROM delivery_events WHERE delivery_id = $1 ORDER BY seq DESC LIMIT 1")
-            .bind(delivery_id)
-            .fetch_optional(&mut **tx)
-            .await?;
-    let seq = last.as_ref().map_or(1, |(s, _)| s + 1);
-    let prev = last.map(|(_, h)| h);
-    let actor = actor.label();
-    let content = EventContent { delivery_id, seq, from, to, actor: &actor, reason, data: &data };
-    let hash = event_hash(prev.as_deref(), &content);
-    sqlx::query(
-        r#"INSERT INTO delivery_events (delivery_id, seq, from_state, to_state, actor, reason, data, prev_hash, hash)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"#,
-    )
-    .bind(delivery_id)
-    .bind(seq)
-    .bind(from)
-    .bind(to)
-    .bind(actor)
-    .bind(reason)
-    .bind(data)
-    .bind(prev)
-    .bind(hash)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
 }
 
 pub async fn events(db: impl PgExecutor<'_>, id: Uuid) -> Result<Vec<Event>, sqlx::Error> {

@@ -343,7 +343,7 @@ pub async fn transition(
 /// One statement: the row's update (to the last state, its version counting every step,
 /// its head the last event's hash) guarded on the state and version it was read in, and
 /// the events' insert. Refuses an illegal move, and a delivery that changed since it was
-/// read; either way nothing is written.
+/// read; either way nothing is written. No steps: nothing to do.
 pub async fn advance(
     tx: &mut Transaction<'_, Postgres>,
     d: &Delivery,
@@ -353,7 +353,9 @@ pub async fn advance(
         from: from.as_str(),
         action: action.as_str(),
     };
-    let first = steps.first().ok_or_else(|| DeliveryError::Db(sqlx::Error::Protocol("no step to take".into())))?;
+    let Some(first) = steps.first() else {
+        return Ok(d.clone());
+    };
     let mut ev = EventColumns::default();
     let (mut state, mut head) = (d.state, d.event_hash.clone());
     for (i, step) in steps.iter().enumerate() {
@@ -614,16 +616,6 @@ pub async fn insert_approval(
     .execute(db)
     .await?;
     Ok(())
-}
-
-/// The artifact hash of the latest approval, if any.
-pub async fn approved_sha(db: impl PgExecutor<'_>, delivery_id: Uuid) -> Result<Option<String>, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT artifact_sha256 FROM approvals WHERE delivery_id = $1 ORDER BY created_at DESC, id DESC LIMIT 1",
-    )
-    .bind(delivery_id)
-    .fetch_optional(db)
-    .await
 }
 
 /// Records that an attempt starts (outcome unknown) and returns its id.

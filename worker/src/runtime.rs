@@ -975,19 +975,29 @@ async fn heartbeat_loop(
 ) {
     let every = (s.lease / 3).min(s.heartbeat_interval).max(Duration::from_millis(200));
     let mut tick = ticker(every);
+    // Leases a heartbeat did not find held. A handler that ends its job in its own
+    // transaction is still in flight for a moment after that commit, so a lease is only
+    // taken as lost when the next heartbeat finds its job still in flight: cancelling at
+    // the first miss would interrupt handlers that had just finished.
+    let mut missed: std::collections::HashSet<Lease> = Default::default();
     while next_tick(&mut tick, &stop).await {
         let leases: Vec<Lease> = lock(&in_flight).values().map(|h| h.lease).collect();
         match queue::heartbeat_many(&pool, &leases, s.lease).await {
             Ok(held) => {
                 let held: std::collections::HashSet<Lease> = held.into_iter().collect();
                 let map = lock(&in_flight);
+                let mut still_missed = std::collections::HashSet::new();
                 for lease in leases.iter().filter(|l| !held.contains(l)) {
-                    if let Some(h) = map.get(&lease.id) {
+                    let Some(h) = map.get(&lease.id).filter(|h| h.lease == *lease) else { continue };
+                    if missed.contains(lease) {
                         bump(&stats.lease_lost);
                         tracing::warn!(job.id = %lease.id, job.attempt = lease.attempt, "lease lost: cancelling the job");
                         h.cancel.cancel();
+                    } else {
+                        still_missed.insert(*lease);
                     }
                 }
+                missed = still_missed;
             }
             Err(e) => tracing::warn!(error = %e, "lease heartbeat failed"),
         }

@@ -136,7 +136,7 @@ pub enum QueueError {
 }
 
 impl QueueError {
-    fn lost(lease: Lease) -> Self {
+    pub fn lost(lease: Lease) -> Self {
         QueueError::LeaseLost { id: lease.id, attempt: lease.attempt }
     }
 }
@@ -209,8 +209,8 @@ pub async fn enqueue(tx: &mut Transaction<'_, Postgres>, job: &NewJob) -> Result
     Ok(out.remove(0))
 }
 
-/// Enqueues many jobs with one INSERT statement and one NOTIFY per queue, in the caller's
-/// transaction. Results are in input order.
+/// Enqueues many jobs with one statement (the INSERT and one NOTIFY per queue), in the
+/// caller's transaction. Results are in input order.
 #[tracing::instrument(skip_all, fields(jobs = jobs.len()))]
 pub async fn enqueue_many(tx: &mut Transaction<'_, Postgres>, jobs: &[NewJob]) -> Result<Vec<Enqueued>, QueueError> {
     if jobs.is_empty() {
@@ -227,17 +227,21 @@ pub async fn enqueue_many(tx: &mut Transaction<'_, Postgres>, jobs: &[NewJob]) -
     let keys: Vec<Option<&str>> = jobs.iter().map(|j| j.unique_key.as_deref()).collect();
 
     // Rows whose unique key is live already are skipped by ON CONFLICT; the existing job
-    // is looked up afterwards in the same transaction.
+    // is looked up afterwards in the same transaction. The same statement sends one NOTIFY
+    // per queue that got a row (`woke` is one row, so joining it keeps every inserted id).
     let inserted: Vec<Uuid> = sqlx::query_scalar(
         r#"
-        INSERT INTO jobs (id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key)
-        SELECT id, kind, queue, payload, priority, coalesce(run_at, now()), max_attempts, effect_class, unique_key
-        FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[], $5::smallint[],
-                    $6::timestamptz[], $7::int[], $8::effect_class[], $9::text[])
-             AS t(id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key)
-        ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state IN ('available', 'running', 'parked')
-        DO NOTHING
-        RETURNING id
+        WITH inserted AS (
+            INSERT INTO jobs (id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key)
+            SELECT id, kind, queue, payload, priority, coalesce(run_at, now()), max_attempts, effect_class, unique_key
+            FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[], $5::smallint[],
+                        $6::timestamptz[], $7::int[], $8::effect_class[], $9::text[])
+                 AS t(id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key)
+            ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state IN ('available', 'running', 'parked')
+            DO NOTHING
+            RETURNING id, queue),
+        woke AS (SELECT count(pg_notify($10, queue)) FROM (SELECT DISTINCT queue FROM inserted) q)
+        SELECT inserted.id FROM inserted CROSS JOIN woke
         "#,
     )
     .bind(&ids)
@@ -249,6 +253,7 @@ pub async fn enqueue_many(tx: &mut Transaction<'_, Postgres>, jobs: &[NewJob]) -
     .bind(&max_attempts)
     .bind(&classes)
     .bind(&keys)
+    .bind(NOTIFY_CHANNEL)
     .fetch_all(&mut **tx)
     .await?;
 
@@ -266,14 +271,6 @@ pub async fn enqueue_many(tx: &mut Transaction<'_, Postgres>, jobs: &[NewJob]) -
             .fetch_one(&mut **tx)
             .await?;
             out.push(Enqueued { id: existing, inserted: false });
-        }
-    }
-    if !inserted.is_empty() {
-        let mut queues: Vec<&str> = queues.clone();
-        queues.sort_unstable();
-        queues.dedup();
-        for q in queues {
-            sqlx::query("SELECT pg_notify($1, $2)").bind(NOTIFY_CHANNEL).bind(q).execute(&mut **tx).await?;
         }
     }
     Ok(out)
@@ -524,28 +521,25 @@ pub async fn ensure_held(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), Qu
 /// that commits the attempt; it refuses an expired lease, so a holder that was paused past
 /// its lease can never start an effect.
 pub async fn mark_effect_started(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), QueueError> {
-    let r = sqlx::query(
-        r#"UPDATE jobs SET effect_started_at = now()
-           WHERE id = $1 AND attempt = $2 AND state = 'running' AND lease_expires_at > now()"#,
-    )
-    .bind(lease.id)
-    .bind(lease.attempt)
-    .execute(db)
-    .await?;
+    let r = sqlx::query(MARK_EFFECT_STARTED_SQL).bind(lease.id).bind(lease.attempt).execute(db).await?;
     fenced(r, lease)
 }
 
+/// Marks the effect of the job held under lease (`$1` id, `$2` attempt) as started, if the
+/// lease has not run out; a statement of its own or the first part of a larger one (add
+/// `RETURNING id` to tell whether it held).
+pub const MARK_EFFECT_STARTED_SQL: &str = r#"UPDATE jobs SET effect_started_at = now()
+    WHERE id = $1 AND attempt = $2 AND state = 'running' AND lease_expires_at > now()"#;
+
+/// Completes the job held under lease (`$1` id, `$2` attempt); like
+/// [`MARK_EFFECT_STARTED_SQL`], a statement of its own or part of a larger one.
+pub const COMPLETE_HELD_SQL: &str = r#"UPDATE jobs SET state = 'completed', finished_at = now(), lease_owner = NULL,
+        lease_expires_at = NULL, effect_started_at = NULL
+    WHERE id = $1 AND attempt = $2 AND state = 'running'"#;
+
 /// Completes a held job.
 pub async fn complete(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), QueueError> {
-    let r = sqlx::query(
-        r#"UPDATE jobs SET state = 'completed', finished_at = now(), lease_owner = NULL,
-               lease_expires_at = NULL, effect_started_at = NULL
-           WHERE id = $1 AND attempt = $2 AND state = 'running'"#,
-    )
-    .bind(lease.id)
-    .bind(lease.attempt)
-    .execute(db)
-    .await?;
+    let r = sqlx::query(COMPLETE_HELD_SQL).bind(lease.id).bind(lease.attempt).execute(db).await?;
     fenced(r, lease)
 }
 

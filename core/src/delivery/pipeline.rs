@@ -702,8 +702,9 @@ pub async fn begin_send(
         tracing::warn!(delivery.id = %d.id, reason = %why, "send refused at send time");
         return Ok(SendStart::Refused(why));
     }
-    let attempt_id = store::insert_attempt(&mut *tx, d.id, lease.id, lease.attempt, worker, &d.artifact_sha256).await?;
-    queue::mark_effect_started(&mut *tx, lease).await?;
+    let attempt_id = store::start_attempt(&mut *tx, d.id, lease, worker, &d.artifact_sha256)
+        .await?
+        .ok_or(QueueError::lost(lease))?;
     let delivery = store::transition(
         &mut tx,
         &d,
@@ -732,22 +733,20 @@ pub async fn record_outcome(
     let detail = outcome.detail();
     let (action, reason): (Action, Option<String>) = match outcome {
         EffectOutcome::Sent { message_id, response } => {
-            queue::complete(&mut *tx, lease).await?;
-            store::insert_receipt(
-                &mut *tx,
-                &NewReceipt {
-                    delivery_id: d.id,
-                    attempt_id: Some(attempt_id),
-                    channel: d.channel,
-                    message_id: message_id.as_deref(),
-                    provider_response: Some(response),
-                    payload_sha256: &d.artifact_sha256,
-                    attempt: lease.attempt,
-                    worker: Some(worker),
-                    attested_by: None,
-                },
-            )
-            .await?;
+            let receipt = NewReceipt {
+                delivery_id: d.id,
+                attempt_id: Some(attempt_id),
+                channel: d.channel,
+                message_id: message_id.as_deref(),
+                provider_response: Some(response),
+                payload_sha256: &d.artifact_sha256,
+                attempt: lease.attempt,
+                worker: Some(worker),
+                attested_by: None,
+            };
+            if !store::complete_sent(&mut *tx, lease, &receipt, detail).await? {
+                return Err(QueueError::lost(lease).into());
+            }
             (Action::ConfirmSent, None)
         }
         EffectOutcome::NotDelivered { detail, retry_after } => {
@@ -767,7 +766,9 @@ pub async fn record_outcome(
             (Action::Park, Some(format!("may or may not have been delivered: {detail}")))
         }
     };
-    store::finish_attempt(&mut *tx, attempt_id, outcome.label(), Some(detail)).await?;
+    if !matches!(outcome, EffectOutcome::Sent { .. }) {
+        store::finish_attempt(&mut *tx, attempt_id, outcome.label(), Some(detail)).await?;
+    }
     // `d` is the delivery as transaction A left it; the transition's guard refuses it if it
     // changed since (and the lease fence above refuses a holder that lost the job first).
     let state = store::transition(&mut tx, d, action, &actor, reason.as_deref(), json!({"attempt_id": attempt_id}))

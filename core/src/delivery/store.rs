@@ -4,6 +4,8 @@
 //! expected` plus one hash-chained event row, in the caller's transaction. The legal
 //! moves come from [`super::state::next`], nowhere else.
 
+use std::sync::LazyLock;
+
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -12,7 +14,7 @@ use uuid::Uuid;
 
 use super::state::{Action, DeliveryState, next};
 use crate::artifact::{Artifact, Channel};
-use crate::queue::EffectClass;
+use crate::queue::{self, EffectClass, Lease};
 
 /// Who made a change: an agent, a human principal, a worker, or the system itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -618,29 +620,76 @@ pub async fn insert_approval(
     Ok(())
 }
 
-/// Records that an attempt starts (outcome unknown) and returns its id.
-pub async fn insert_attempt(
+/// Transaction A's writes for a job held under `lease`: marks the job's effect as started
+/// (refused once the lease has run out) and records the attempt, in one statement. `None`
+/// when the lease is not held; nothing is written then.
+pub async fn start_attempt(
     db: impl PgExecutor<'_>,
     delivery_id: Uuid,
-    job_id: Uuid,
-    lease_attempt: i32,
+    lease: Lease,
     worker: &str,
     artifact_sha256: &str,
-) -> Result<Uuid, sqlx::Error> {
-    let id = Uuid::now_v7();
-    sqlx::query(
-        r#"INSERT INTO send_attempts (id, delivery_id, job_id, lease_attempt, worker, artifact_sha256)
-           VALUES ($1, $2, $3, $4, $5, $6)"#,
-    )
-    .bind(id)
-    .bind(delivery_id)
-    .bind(job_id)
-    .bind(lease_attempt)
-    .bind(worker)
-    .bind(artifact_sha256)
-    .execute(db)
-    .await?;
-    Ok(id)
+) -> Result<Option<Uuid>, sqlx::Error> {
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            r#"WITH held AS ({} RETURNING id)
+               INSERT INTO send_attempts (id, delivery_id, job_id, lease_attempt, worker, artifact_sha256)
+               SELECT $3, $4, held.id, $2, $5, $6 FROM held
+               RETURNING id"#,
+            queue::MARK_EFFECT_STARTED_SQL
+        )
+    });
+    sqlx::query_scalar(sqlx::AssertSqlSafe(SQL.as_str()))
+        .bind(lease.id)
+        .bind(lease.attempt)
+        .bind(Uuid::now_v7())
+        .bind(delivery_id)
+        .bind(worker)
+        .bind(artifact_sha256)
+        .fetch_optional(db)
+        .await
+}
+
+/// Transaction B's writes after a send that went out: completes the job held under
+/// `lease`, records the receipt and closes the attempt, in one statement. False when the
+/// lease is not held; nothing is written then.
+pub async fn complete_sent(
+    db: impl PgExecutor<'_>,
+    lease: Lease,
+    receipt: &NewReceipt<'_>,
+    detail: &str,
+) -> Result<bool, sqlx::Error> {
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            r#"WITH done AS ({} RETURNING id),
+               receipt AS (
+                   INSERT INTO receipts (id, delivery_id, attempt_id, channel, message_id, provider_response,
+                                         payload_sha256, attempt, worker, attested_by)
+                   SELECT $3, $4, $5, $6, $7, $8, $9, $10, $11, $12 FROM done),
+               attempt AS (
+                   UPDATE send_attempts SET outcome = 'sent', detail = $13, finished_at = now()
+                   WHERE id = $5 AND outcome IS NULL AND EXISTS (SELECT FROM done))
+               SELECT count(*) FROM done"#,
+            queue::COMPLETE_HELD_SQL
+        )
+    });
+    let done: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(SQL.as_str()))
+        .bind(lease.id)
+        .bind(lease.attempt)
+        .bind(Uuid::now_v7())
+        .bind(receipt.delivery_id)
+        .bind(receipt.attempt_id)
+        .bind(receipt.channel)
+        .bind(receipt.message_id)
+        .bind(receipt.provider_response)
+        .bind(receipt.payload_sha256)
+        .bind(receipt.attempt)
+        .bind(receipt.worker)
+        .bind(receipt.attested_by)
+        .bind(detail)
+        .fetch_one(db)
+        .await?;
+    Ok(done == 1)
 }
 
 /// Sets the outcome of an attempt that has none yet.

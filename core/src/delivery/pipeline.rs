@@ -431,7 +431,10 @@ async fn enqueue_send(tx: &mut Transaction<'_, Postgres>, cfg: &Config, d: &Deli
         .queue(SEND_QUEUE)
         .effect_class(d.effect_class)
         .max_attempts(cfg.delivery.max_send_attempts)
-        .unique_key(send_key(d.id));
+        .unique_key(send_key(d.id))
+        // Ahead of scoring: what is approved goes out before new work is taken on, so a
+        // backlog of submissions does not hold back the sends behind it.
+        .priority(40);
     queue::enqueue(tx, &job).await?;
     Ok(())
 }

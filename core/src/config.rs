@@ -136,6 +136,11 @@ pub struct SmtpConfig {
     pub timeout_seconds: u64,
     /// The name this client gives in EHLO.
     pub helo_name: Option<String>,
+    /// Connections a worker keeps open between messages, to save a TCP and TLS handshake
+    /// per message; 0 opens a connection for every message.
+    pub max_idle_connections: usize,
+    /// How long an open connection may wait for the next message before it is closed.
+    pub idle_timeout_seconds: u64,
 }
 
 impl Default for SmtpConfig {
@@ -150,6 +155,8 @@ impl Default for SmtpConfig {
             password_env: None,
             timeout_seconds: 30,
             helo_name: None,
+            max_idle_connections: 4,
+            idle_timeout_seconds: 10,
         }
     }
 }

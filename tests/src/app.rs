@@ -73,6 +73,9 @@ impl TestApp {
             ("AIRLOCK__SMTP__PORT".into(), smtp.port().to_string()),
             ("AIRLOCK__SMTP__CA_FILE".into(), ca_file.display().to_string()),
             ("AIRLOCK__SMTP__TIMEOUT_SECONDS".into(), "5".into()),
+            // The test server draws its faults per connection: one connection per message
+            // keeps a queued fault on the message it was queued for.
+            ("AIRLOCK__SMTP__MAX_IDLE_CONNECTIONS".into(), "0".into()),
             ("AIRLOCK__DELIVERY__SENDERS".into(), "agent@example.com,@airlock.test".into()),
             ("AIRLOCK__DELIVERY__WEBHOOK_ORIGINS".into(), hooks.origin()),
             ("AIRLOCK__DELIVERY__WEBHOOK_ALLOW_PLAINTEXT_LOOPBACK".into(), "true".into()),

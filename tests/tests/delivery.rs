@@ -702,3 +702,108 @@ async fn switch_off_during_a_burst_stops_new_sends(pool: PgPool) {
     stop.cancel();
     worker.await.unwrap().unwrap();
 }
+
+/// Transactions A and B are fenced on the lease: under a lease that is not held, neither
+/// writes anything (no attempt, no effect mark, no receipt, no closed attempt, no move),
+/// and under the held lease both go through.
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn send_transactions_write_nothing_under_a_lost_lease(pool: PgPool) {
+    use airlock_core::channels::EffectOutcome;
+    use airlock_core::delivery::pipeline::{self, PipelineError, SendStart};
+    use airlock_core::queue::{Lease, QueueError};
+
+    let app = TestApp::start(pool, &[]).await;
+    let (stop, worker) = app.start_worker("w-score");
+    let run = app.create_run(0).await;
+    let id = app.submit(TestApp::email(&run, "fenced", "Fenced")).await;
+    app.wait_state(&id, DeliveryState::AwaitingApproval, WAIT).await;
+    stop.cancel();
+    worker.await.unwrap().unwrap();
+    app.approve(&id).await;
+    app.set_switch(true).await;
+    let delivery_id = uuid::Uuid::parse_str(&id).unwrap();
+    let sends = ClaimFilter { queues: Some(vec!["send".into()]) };
+    let job = queue::claim_batch(&app.pool, "probe", &sends, 1, Duration::from_secs(30)).await.unwrap().remove(0);
+    let held = job.lease();
+    let lost = Lease { id: held.id, attempt: held.attempt + 1 };
+
+    let counts = || async {
+        let row: (i64, i64, i64, bool, String, String) = sqlx::query_as(
+            r#"SELECT (SELECT count(*) FROM send_attempts WHERE delivery_id = $1),
+                      (SELECT count(*) FROM send_attempts WHERE delivery_id = $1 AND outcome IS NOT NULL),
+                      (SELECT count(*) FROM receipts WHERE delivery_id = $1),
+                      (SELECT effect_started_at IS NOT NULL FROM jobs WHERE id = $2),
+                      (SELECT state::text FROM jobs WHERE id = $2),
+                      (SELECT state::text FROM deliveries WHERE id = $1)"#,
+        )
+        .bind(delivery_id)
+        .bind(held.id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        row
+    };
+    fn lease_lost<T>(r: &Result<T, PipelineError>) -> bool {
+        matches!(r, Err(PipelineError::Queue(QueueError::LeaseLost { .. })))
+    }
+
+    let r = pipeline::begin_send(&app.pool, &app.config, lost, "probe", delivery_id).await;
+    assert!(lease_lost(&r), "{r:?}");
+    assert_eq!(counts().await, (0, 0, 0, false, "running".into(), "approved".into()), "A wrote nothing");
+
+    let Ok(SendStart::Started { delivery, attempt_id, .. }) =
+        pipeline::begin_send(&app.pool, &app.config, held, "probe", delivery_id).await
+    else {
+        panic!("transaction A under the held lease starts the send");
+    };
+    assert_eq!(counts().await, (1, 0, 0, true, "running".into(), "sending".into()));
+
+    let sent = EffectOutcome::Sent { message_id: Some("<m@example.com>".into()), response: "250 ok".into() };
+    let r = pipeline::record_outcome(&app.pool, lost, "probe", &delivery, attempt_id, &sent).await;
+    assert!(lease_lost(&r), "{r:?}");
+    assert_eq!(counts().await, (1, 0, 0, true, "running".into(), "sending".into()), "B wrote nothing");
+
+    let state = pipeline::record_outcome(&app.pool, held, "probe", &delivery, attempt_id, &sent).await.unwrap();
+    assert_eq!(state, DeliveryState::Sent);
+    assert_eq!(counts().await, (1, 1, 1, false, "completed".into(), "sent".into()));
+}
+
+/// With connections kept open, messages one after another share one connection; a kept
+/// connection the relay has closed meanwhile is noticed before use (NOOP), and the message
+/// goes out once over a new one, with no failed attempt.
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn smtp_connections_are_reused_and_a_closed_one_is_replaced(pool: PgPool) {
+    use airlock_tests::smtp::{SmtpOptions, SmtpServer};
+
+    let app = TestApp::start(pool, &[("AIRLOCK__SMTP__MAX_IDLE_CONNECTIONS", "2")]).await;
+    app.set_switch(true).await;
+    let (stop, worker) = app.start_worker("w-reuse");
+    let run = app.create_run(0).await;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let id = approved_email(&app, &run, &format!("reuse-{i}")).await;
+        app.wait_state(&id, DeliveryState::Sent, WAIT).await;
+        ids.push(id);
+    }
+    assert_eq!(app.smtp.accepted().len(), 3);
+    assert_eq!(app.smtp.connections(), 1, "three messages, one after another, over one connection");
+
+    // The relay goes away and comes back on the same port: the kept connection is dead.
+    app.smtp.stop();
+    let relay = loop {
+        match SmtpServer::start_on(app.smtp.addr(), SmtpOptions::starttls(app.ca.clone())).await {
+            Ok(s) => break s,
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    let id = approved_email(&app, &run, "after-restart").await;
+    app.wait_state(&id, DeliveryState::Sent, WAIT).await;
+    assert_eq!(relay.accepted().len(), 1, "sent once, to the relay that is there");
+    assert_eq!(relay.connections(), 1);
+    assert_eq!(attempts(&app, &id).await, ["sent"], "the dead connection cost no attempt");
+    for id in &ids {
+        assert_eq!(attempts(&app, id).await, ["sent"]);
+    }
+    stop.cancel();
+    worker.await.unwrap().unwrap();
+}

@@ -11,7 +11,8 @@
 //! are verified against the system roots plus an optional CA file. Plaintext is refused
 //! unless the host is loopback and `smtp.allow_plaintext_loopback` is set.
 
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use lettre::address::Envelope;
 use lettre::message::{Mailbox, Message, MultiPart, SinglePart, header};
@@ -37,7 +38,12 @@ pub enum SmtpSetupError {
     Credentials(String),
 }
 
-/// A configured SMTP client. Cheap to clone; opens one connection per message.
+/// A configured SMTP client. Cheap to clone (clones share their open connections).
+///
+/// A connection whose last message was accepted is kept open for the next one (up to
+/// `smtp.max_idle_connections`, for `smtp.idle_timeout_seconds`): a message then costs no
+/// TCP or TLS handshake. Before reuse it must answer a NOOP; one that does not is dropped
+/// and the next is tried, or a new one opened. Any other outcome closes the connection.
 #[derive(Clone)]
 pub struct SmtpSender {
     host: String,
@@ -47,6 +53,9 @@ pub struct SmtpSender {
     credentials: Option<Credentials>,
     hello: ClientId,
     timeout: Duration,
+    max_idle: usize,
+    idle_timeout: Duration,
+    idle: Arc<Mutex<Vec<(AsyncSmtpConnection, Instant)>>>,
 }
 
 impl std::fmt::Debug for SmtpSender {
@@ -104,20 +113,56 @@ impl SmtpSender {
             credentials,
             hello,
             timeout: Duration::from_secs(cfg.timeout_seconds.max(1)),
+            max_idle: cfg.max_idle_connections,
+            idle_timeout: Duration::from_secs(cfg.idle_timeout_seconds),
+            idle: Arc::default(),
         })
     }
 
     /// Sends one formatted message and classifies the result.
     pub async fn send(&self, envelope: &Envelope, message: &[u8]) -> EffectOutcome {
-        let mut conn = match self.open().await {
-            Ok(c) => c,
-            Err(e) => return e,
+        let mut conn = match self.reuse().await {
+            Some(c) => c,
+            None => match self.open().await {
+                Ok(c) => c,
+                Err(e) => return e,
+            },
         };
         let result = self.transact(&mut conn, envelope, message).await;
-        if !matches!(result, EffectOutcome::Ambiguous { .. }) {
+        let to_close = match result {
+            EffectOutcome::Sent { .. } => self.keep(conn),
+            // The relay's state is unknown: the connection is dropped, not closed politely.
+            EffectOutcome::Ambiguous { .. } => None,
+            _ => Some(conn),
+        };
+        if let Some(mut conn) = to_close {
             let _ = tokio::time::timeout(self.timeout, conn.quit()).await;
         }
         result
+    }
+
+    /// Keeps a connection for the next message; gives it back when no more may be kept.
+    fn keep(&self, conn: AsyncSmtpConnection) -> Option<AsyncSmtpConnection> {
+        let mut idle = lock(&self.idle);
+        if idle.len() < self.max_idle {
+            idle.push((conn, Instant::now()));
+            None
+        } else {
+            Some(conn)
+        }
+    }
+
+    /// An open connection that still answers, if one is kept; stale ones are closed.
+    async fn reuse(&self) -> Option<AsyncSmtpConnection> {
+        loop {
+            let (mut conn, since) = lock(&self.idle).pop()?;
+            if since.elapsed() < self.idle_timeout
+                && tokio::time::timeout(self.timeout, conn.test_connected()).await.unwrap_or(false)
+            {
+                return Some(conn);
+            }
+            conn.abort().await;
+        }
     }
 
     async fn open(&self) -> Result<AsyncSmtpConnection, EffectOutcome> {
@@ -194,6 +239,10 @@ impl SmtpSender {
             Err(_) => EffectOutcome::Ambiguous { detail: "no reply after the body was sent: timed out".into() },
         }
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn response_text(resp: &lettre::transport::smtp::response::Response) -> String {

@@ -769,6 +769,7 @@ pub async fn record_outcome(
             (Action::Park, Some(format!("may or may not have been delivered: {detail}")))
         }
     };
+    // A sent delivery's attempt was closed by `complete_sent`, with its receipt.
     if !matches!(outcome, EffectOutcome::Sent { .. }) {
         store::finish_attempt(&mut *tx, attempt_id, outcome.label(), Some(detail)).await?;
     }

@@ -44,9 +44,16 @@ struct Args {
     #[arg(long, default_value = "pgbench")]
     pgbench: String,
     /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline), for
-    /// profiling; a partial run prints its table but writes no result file.
+    /// profiling; a partial run (of parts, modes or worker counts) prints its table but
+    /// writes no result file.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Drain modes to measure (per_job, batched), for profiling one of them.
+    #[arg(long, value_delimiter = ',', default_value = "per_job,batched")]
+    modes: Vec<String>,
+    /// Worker process counts for the drains, for profiling one of them.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    workers: Vec<usize>,
 }
 
 impl Args {
@@ -224,7 +231,7 @@ async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_row
     wait_until(
         &db.pool,
         "SELECT CASE WHEN EXISTS (SELECT 1 FROM jobs WHERE state = 'available')
-                       OR EXISTS (SELECT 1 FROM jobs WHERE state = 'running') THEN 0 ELSE 1 END::bigint",
+                       OR EXISTS (SELECT 1 FROM jobs WHERE lease_owner IS NOT NULL) THEN 0 ELSE 1 END::bigint",
         1,
         Duration::from_secs(1800),
     )
@@ -524,9 +531,12 @@ async fn main() -> anyhow::Result<()> {
         }
         let (mut per_job, mut batched) = (f64::NAN, f64::NAN);
         for (label, n) in &sets {
-            for workers in [1usize, 2] {
+            for &workers in &args.workers {
                 for batch in [false, true] {
                     let mode = if batch { "batched" } else { "per_job" };
+                    if !args.modes.iter().any(|m| m == mode) {
+                        continue;
+                    }
                     let (rate, rss) = drain(&args, *n, workers, batch, 0).await?;
                     eprintln!(
                         "  repetition {}: drain {n} jobs, {workers} worker(s), {mode}: {rate:.0} jobs/s, peak RSS {rss:.1} MiB",
@@ -627,7 +637,8 @@ async fn main() -> anyhow::Result<()> {
             .await?,
         "reps": r,
     });
-    if !args.only.is_empty() {
+    let partial = !args.only.is_empty() || args.modes.len() < 2 || args.workers != [1, 2];
+    if partial {
         let mut table = String::new();
         for (k, v) in &results {
             table.push_str(&format!("{k} = {v}\n"));

@@ -457,19 +457,22 @@ fn unpaused<'a>(filter: &'a ClaimFilter, paused: &[String]) -> Option<Vec<&'a st
     filter.queues.as_ref().map(|qs| qs.iter().map(String::as_str).filter(|q| !paused.iter().any(|p| p == q)).collect())
 }
 
+/// Extends the lease `$1` id, `$2` attempt by `$3` seconds.
+pub const HEARTBEAT_SQL: &str = r#"UPDATE jobs SET lease_expires_at = now() + make_interval(secs => $3), heartbeat_at = now()
+    WHERE id = $1 AND attempt = $2 AND state = 'running'"#;
+
 /// Extends one lease. Fails with `LeaseLost` when the job is no longer held at this epoch.
 pub async fn heartbeat(db: impl PgExecutor<'_>, lease: Lease, extend: Duration) -> Result<(), QueueError> {
-    let r = sqlx::query(
-        r#"UPDATE jobs SET lease_expires_at = now() + make_interval(secs => $3), heartbeat_at = now()
-           WHERE id = $1 AND attempt = $2 AND state = 'running'"#,
-    )
-    .bind(lease.id)
-    .bind(lease.attempt)
-    .bind(extend.as_secs_f64())
-    .execute(db)
-    .await?;
+    let r =
+        sqlx::query(HEARTBEAT_SQL).bind(lease.id).bind(lease.attempt).bind(extend.as_secs_f64()).execute(db).await?;
     fenced(r, lease)
 }
+
+/// Extends the leases whose ids and attempts are the arrays `$1` and `$2` by `$3` seconds.
+pub const HEARTBEAT_MANY_SQL: &str = r#"UPDATE jobs j SET lease_expires_at = now() + make_interval(secs => $3), heartbeat_at = now()
+    FROM unnest($1::uuid[], $2::int[]) AS t(id, attempt)
+    WHERE j.id = t.id AND j.attempt = t.attempt AND j.state = 'running'
+    RETURNING j.id, j.attempt"#;
 
 /// Extends many leases in one statement; returns the leases that are still held (the
 /// others were lost and their holders must stop).
@@ -483,17 +486,8 @@ pub async fn heartbeat_many(
     }
     let ids: Vec<Uuid> = leases.iter().map(|l| l.id).collect();
     let attempts: Vec<i32> = leases.iter().map(|l| l.attempt).collect();
-    let held: Vec<(Uuid, i32)> = sqlx::query_as(
-        r#"UPDATE jobs j SET lease_expires_at = now() + make_interval(secs => $3), heartbeat_at = now()
-           FROM unnest($1::uuid[], $2::int[]) AS t(id, attempt)
-           WHERE j.id = t.id AND j.attempt = t.attempt AND j.state = 'running'
-           RETURNING j.id, j.attempt"#,
-    )
-    .bind(&ids)
-    .bind(&attempts)
-    .bind(extend.as_secs_f64())
-    .fetch_all(db)
-    .await?;
+    let held: Vec<(Uuid, i32)> =
+        sqlx::query_as(HEARTBEAT_MANY_SQL).bind(&ids).bind(&attempts).bind(extend.as_secs_f64()).fetch_all(db).await?;
     Ok(held.into_iter().map(|(id, attempt)| Lease { id, attempt }).collect())
 }
 
@@ -501,19 +495,17 @@ fn fenced(r: sqlx::postgres::PgQueryResult, lease: Lease) -> Result<(), QueueErr
     if r.rows_affected() == 0 { Err(QueueError::lost(lease)) } else { Ok(()) }
 }
 
+/// Finds the lease `$1` id, `$2` attempt still held and not run out.
+pub const ENSURE_HELD_SQL: &str = r#"SELECT 1 FROM jobs
+    WHERE id = $1 AND attempt = $2 AND state = 'running' AND lease_expires_at > now()"#;
+
 /// Checks, by the database clock, that the lease is still held and has not run out. A
 /// holder calls it right before its external effect: one that stalled after committing
 /// its attempt (a paused process, a frozen VM) past its lease finds the job taken over
 /// and must not perform the effect the rescuer has already settled.
 pub async fn ensure_held(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), QueueError> {
-    let held: Option<i32> = sqlx::query_scalar(
-        r#"SELECT 1 FROM jobs
-           WHERE id = $1 AND attempt = $2 AND state = 'running' AND lease_expires_at > now()"#,
-    )
-    .bind(lease.id)
-    .bind(lease.attempt)
-    .fetch_optional(db)
-    .await?;
+    let held: Option<i32> =
+        sqlx::query_scalar(ENSURE_HELD_SQL).bind(lease.id).bind(lease.attempt).fetch_optional(db).await?;
     held.map(|_| ()).ok_or(QueueError::lost(lease))
 }
 
@@ -553,6 +545,13 @@ const COMPLETE_SQL: &str = r#"
     RETURNING d.id, d.attempt
 "#;
 
+/// The statement of [`complete_many`]: completes the held jobs whose ids and attempts are
+/// the arrays `$1` and `$2`.
+pub fn complete_many_sql() -> &'static str {
+    static SQL: LazyLock<String> = LazyLock::new(|| COMPLETE_SQL.replace("{ids}", "$1").replace("{attempts}", "$2"));
+    SQL.as_str()
+}
+
 /// Completes many held jobs in one statement; returns the leases that were still held
 /// (the others were lost and are left untouched).
 pub async fn complete_many(db: impl PgExecutor<'_>, leases: &[Lease]) -> Result<Vec<Lease>, QueueError> {
@@ -561,9 +560,8 @@ pub async fn complete_many(db: impl PgExecutor<'_>, leases: &[Lease]) -> Result<
     }
     let ids: Vec<Uuid> = leases.iter().map(|l| l.id).collect();
     let attempts: Vec<i32> = leases.iter().map(|l| l.attempt).collect();
-    static SQL: LazyLock<String> = LazyLock::new(|| COMPLETE_SQL.replace("{ids}", "$1").replace("{attempts}", "$2"));
     let done: Vec<(Uuid, i32)> =
-        sqlx::query_as(sqlx::AssertSqlSafe(SQL.as_str())).bind(&ids).bind(&attempts).fetch_all(db).await?;
+        sqlx::query_as(sqlx::AssertSqlSafe(complete_many_sql())).bind(&ids).bind(&attempts).fetch_all(db).await?;
     Ok(done.into_iter().map(|(id, attempt)| Lease { id, attempt }).collect())
 }
 
@@ -734,7 +732,7 @@ pub async fn rescue_expired(tx: &mut Transaction<'_, Postgres>, limit: i64) -> R
         r#"
         WITH expired AS (
             SELECT id, effect_started_at IS NOT NULL AS effect_started FROM jobs
-            WHERE state = 'running' AND lease_expires_at < now()
+            WHERE lease_owner IS NOT NULL AND state = 'running' AND lease_expires_at < now()
             ORDER BY lease_expires_at
             LIMIT $1
             FOR UPDATE SKIP LOCKED

@@ -437,6 +437,65 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
     assert_eq!(claimed.len(), 10);
 }
 
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn writes_fenced_on_a_lease_find_their_rows_through_the_primary_key(pool: PgPool) {
+    // Statistics taken while no job runs, as a quiet queue's are: the planner believes the
+    // running jobs are few, and would read a partial index of them whole (with every entry
+    // of a job that ran since the last vacuum) rather than look up one id, if a fence let it.
+    sqlx::query(
+        "INSERT INTO jobs (id, kind, queue, payload) SELECT gen_random_uuid(), 't', 'default', '{}' \
+         FROM generate_series(1, 20000)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE jobs").execute(&pool).await.unwrap();
+    let held = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10, LEASE).await.unwrap();
+    assert_eq!(held.len(), 10);
+    let ids = format!("'{{{}}}'", held.iter().map(|j| j.id.to_string()).collect::<Vec<_>>().join(","));
+    let attempts = format!("'{{{}}}'", held.iter().map(|j| j.attempt.to_string()).collect::<Vec<_>>().join(","));
+    let one = format!("'{}', {}", held[0].id, held[0].attempt);
+    let many = format!("{ids}, {attempts}");
+    let statements = [
+        ("heartbeat", queue::HEARTBEAT_SQL, format!("{one}, 30")),
+        ("heartbeat_many", queue::HEARTBEAT_MANY_SQL, format!("{many}, 30")),
+        ("ensure_held", queue::ENSURE_HELD_SQL, one.clone()),
+        ("mark_effect_started", queue::MARK_EFFECT_STARTED_SQL, one.clone()),
+        ("complete", queue::COMPLETE_HELD_SQL, one.clone()),
+        ("complete_many", queue::complete_many_sql(), many.clone()),
+    ];
+    let mut conn = pool.acquire().await.unwrap();
+    for (name, sql, args) in statements {
+        sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE fenced AS {sql}"))).execute(&mut *conn).await.unwrap();
+        for mode in ["force_custom_plan", "force_generic_plan"] {
+            sqlx::query(sqlx::AssertSqlSafe(format!("SET plan_cache_mode = {mode}")))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN EXECUTE fenced({args})")))
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap();
+            let plan = plan.join("\n");
+            assert!(plan.contains("Index Scan using jobs_pkey"), "{name}, {mode}: {plan}");
+            assert!(!plan.contains("jobs_lease_idx"), "{name}, {mode}: no read of the lease index: {plan}");
+            assert!(!plan.contains("Seq Scan on jobs"), "{name}, {mode}: no scan of the table: {plan}");
+        }
+        sqlx::query("DEALLOCATE fenced").execute(&mut *conn).await.unwrap();
+    }
+    sqlx::query("RESET plan_cache_mode").execute(&mut *conn).await.unwrap();
+    drop(conn);
+    // The rescuer still finds expired leases through the lease index.
+    sqlx::query("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE lease_owner IS NOT NULL")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let rescued = queue::rescue_expired(&mut tx, 100).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(rescued.len(), 10);
+}
+
 /// Buffers the scan of the claim index touches in one claim of up to 10 jobs, from the
 /// front of the index or from `from`; the claim is rolled back.
 async fn claim_buffers(pool: &PgPool, from: Option<queue::ClaimFrom>) -> i64 {

@@ -4,8 +4,8 @@
 //!
 //! Invariants:
 //! - Jobs are claimed for free slots; a batched claim (`claim_batch` above the free slots)
-//!   keeps at most one batch waiting beyond them, heartbeated like running jobs and given
-//!   back on stop.
+//!   keeps at most one batch waiting beyond them, two when `claim_batch` is above
+//!   `concurrency`; they are heartbeated like running jobs and given back on stop.
 //! - Every write for a claimed job is fenced on its lease; a lost lease cancels the job's
 //!   handler and its result is dropped.
 //! - On shutdown: stop claiming, let in-flight jobs finish within the grace period, then
@@ -276,11 +276,13 @@ impl Worker {
                         spawn_claim(&mut claims, &claim_ctx, want, woke_by_notify, std::mem::take(&mut pending));
                         reserved += want;
                     }
-                } else if claims.is_empty()
-                    && ready.len() * 2 < want
-                    && tasks.len() + ready.len() < s.concurrency + want
-                {
-                    spawn_claim(&mut claims, &claim_ctx, want, woke_by_notify, Vec::new());
+                } else {
+                    // Jobs waiting beyond the slots, counting the claims in flight as full: a
+                    // claim starts once half a batch has left the last batch claimed.
+                    let ahead = if want > s.concurrency { BATCHES_AHEAD } else { 1 };
+                    while claims.len() < ahead && (ready.len() + claims.len() * want) * 2 < (2 * ahead - 1) * want {
+                        spawn_claim(&mut claims, &claim_ctx, want, woke_by_notify, Vec::new());
+                    }
                 }
             }
             // No claim to ride on: complete them on their own.
@@ -694,6 +696,12 @@ struct Completion {
 /// The longest pause between two tries of a failed completion statement (about 1.5 s of
 /// tries in all).
 const COMPLETION_RETRY_MAX: Duration = Duration::from_millis(800);
+
+/// Batches claimed ahead of the slots when claims prefetch (`claim_batch` above
+/// `concurrency`), counting claims in flight: one claim's commit overlaps the next one's.
+/// A claim of exactly `concurrency` keeps one batch ahead, so slow jobs do not wait here
+/// while another worker could run them.
+const BATCHES_AHEAD: usize = 2;
 
 /// Completion statements in flight at once when completions are batched.
 const COMPLETION_STATEMENTS: usize = 2;

@@ -399,7 +399,11 @@ pub async fn complete_and_claim(
     let limit = if nothing_to_claim { 0 } else { claim.limit };
     let paused = if queues.is_none() { claim.paused } else { &[] };
     let bounded = claim.from.is_some();
-    let sql = if completing.is_empty() { claim_sql(paused, bounded) } else { complete_and_claim_sql(paused, bounded) };
+    let sql = if completing.is_empty() {
+        claim_sql(paused, bounded)
+    } else {
+        complete_and_claim_sql(paused, bounded, completing.len() == 1)
+    };
     let mut q = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(claim.owner)
         .bind(queues)
@@ -437,16 +441,16 @@ pub async fn complete_and_claim(
 }
 
 /// The statement of [`complete_and_claim`]: the claim statement's parameters, then the
-/// ids and attempts of the jobs to complete. It returns one row per job claimed (at least
+/// ids and attempts of the jobs to complete (`one`: a single job, which needs no lock order). It returns one row per job claimed (at least
 /// one row: the job's columns are NULL when none was) with the completed ids and attempts.
-pub fn complete_and_claim_sql(paused: &[String], bounded: bool) -> String {
+pub fn complete_and_claim_sql(paused: &[String], bounded: bool, one: bool) -> String {
     let (ids, attempts) = if bounded { ("$7", "$8") } else { ("$5", "$6") };
     format!(
         "WITH done AS ({}), claimed AS ({}) \
          SELECT d.done_ids, d.done_attempts, c.* \
          FROM (SELECT array_agg(id) AS done_ids, array_agg(attempt) AS done_attempts FROM done) d \
          LEFT JOIN claimed c ON true",
-        COMPLETE_SQL.replace("{ids}", ids).replace("{attempts}", attempts),
+        if one { COMPLETE_ONE_SQL } else { COMPLETE_SQL }.replace("{ids}", ids).replace("{attempts}", attempts),
         claim_sql(paused, bounded)
     )
 }
@@ -468,10 +472,13 @@ pub async fn heartbeat(db: impl PgExecutor<'_>, lease: Lease, extend: Duration) 
     fenced(r, lease)
 }
 
-/// Extends the leases whose ids and attempts are the arrays `$1` and `$2` by `$3` seconds.
+/// Extends the leases whose ids and attempts are the arrays `$1` and `$2` by `$3` seconds,
+/// locking the jobs in id order first (see [`COMPLETE_SQL`]).
 pub const HEARTBEAT_MANY_SQL: &str = r#"UPDATE jobs j SET lease_expires_at = now() + make_interval(secs => $3), heartbeat_at = now()
-    FROM unnest($1::uuid[], $2::int[]) AS t(id, attempt)
-    WHERE j.id = t.id AND j.attempt = t.attempt AND j.state = 'running'
+    FROM (SELECT h.id FROM jobs h JOIN unnest($1::uuid[], $2::int[]) AS t(id, attempt)
+              ON h.id = t.id AND h.attempt = t.attempt
+          WHERE h.state = 'running' ORDER BY h.id FOR UPDATE OF h) AS held
+    WHERE j.id = held.id AND j.state = 'running'
     RETURNING j.id, j.attempt"#;
 
 /// Extends many leases in one statement; returns the leases that are still held (the
@@ -537,7 +544,23 @@ pub async fn complete(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), Queue
 
 /// Completes the held jobs whose ids and attempts are the arrays `{ids}` and `{attempts}`,
 /// fenced on their leases; returns the ones completed.
+///
+/// It locks the jobs in id order before it updates them, as [`HEARTBEAT_MANY_SQL`] does, so
+/// the two never deadlock on a worker's overlapping jobs (an update locks rows in whatever
+/// order its plan meets them: the arrays' order, or the table's on a small table).
 const COMPLETE_SQL: &str = r#"
+    UPDATE jobs d SET state = 'completed', finished_at = now(), lease_owner = NULL,
+        lease_expires_at = NULL, effect_started_at = NULL
+    FROM (SELECT h.id FROM jobs h JOIN unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)
+              ON h.id = t.id AND h.attempt = t.attempt
+          WHERE h.state = 'running' ORDER BY h.id FOR UPDATE OF h) AS held
+    WHERE d.id = held.id AND d.state = 'running'
+    RETURNING d.id, d.attempt
+"#;
+
+/// [`COMPLETE_SQL`] for one job: a statement that waits for one row lock and holds no other
+/// lock of a held job cannot deadlock, and does without the sort and second lookup.
+const COMPLETE_ONE_SQL: &str = r#"
     UPDATE jobs d SET state = 'completed', finished_at = now(), lease_owner = NULL,
         lease_expires_at = NULL, effect_started_at = NULL
     FROM unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)

@@ -371,18 +371,24 @@ async fn retention_prunes_old_finished_jobs_in_batches(pool: PgPool) {
     assert!(left.iter().any(|(_, s)| *s == JobState::Available), "live kept");
 }
 
+/// Enqueues `n` available jobs in one statement and takes the table's statistics.
+async fn analyzed_backlog(pool: &PgPool, n: i64) {
+    sqlx::query(
+        "INSERT INTO jobs (id, kind, queue, payload) SELECT gen_random_uuid(), 't', 'default', '{}' \
+         FROM generate_series(1, $1)",
+    )
+    .bind(n)
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE jobs").execute(pool).await.unwrap();
+}
+
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
     // A backlog of 50k jobs and the send queue paused (as it is by default): a plan that
     // sorts the backlog would cost tens of milliseconds per claim.
-    sqlx::query(
-        "INSERT INTO jobs (id, kind, queue, payload) SELECT gen_random_uuid(), 't', 'default', '{}' \
-         FROM generate_series(1, 50000)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query("ANALYZE jobs").execute(&pool).await.unwrap();
+    analyzed_backlog(&pool, 50_000).await;
     let paused: Vec<String> =
         sqlx::query_scalar("SELECT coalesce(array_agg(queue), '{}') FROM queue_pauses").fetch_one(&pool).await.unwrap();
     assert_eq!(paused, vec!["send".to_string()]);
@@ -448,14 +454,7 @@ async fn writes_fenced_on_a_lease_find_their_rows_through_the_primary_key(pool: 
     // Statistics taken while no job runs, as a quiet queue's are: the planner believes the
     // running jobs are few, and would read a partial index of them whole (with every entry
     // of a job that ran since the last vacuum) rather than look up one id, if a fence let it.
-    sqlx::query(
-        "INSERT INTO jobs (id, kind, queue, payload) SELECT gen_random_uuid(), 't', 'default', '{}' \
-         FROM generate_series(1, 20000)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query("ANALYZE jobs").execute(&pool).await.unwrap();
+    analyzed_backlog(&pool, 20_000).await;
     let held = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10, LEASE).await.unwrap();
     assert_eq!(held.len(), 10);
     let ids = format!("'{{{}}}'", held.iter().map(|j| j.id.to_string()).collect::<Vec<_>>().join(","));

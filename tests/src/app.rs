@@ -196,21 +196,48 @@ impl TestApp {
     }
 
     pub async fn wait_state(&self, id: &str, state: DeliveryState, timeout: Duration) -> Value {
-        let pool = self.pool.clone();
         let uuid = uuid::Uuid::parse_str(id).expect("uuid");
-        harness::wait_for(&format!("delivery {id} to be {}", state.as_str()), timeout, || {
-            let pool = pool.clone();
-            async move {
-                let s: DeliveryState = sqlx::query_scalar("SELECT state FROM deliveries WHERE id = $1")
-                    .bind(uuid)
-                    .fetch_one(&pool)
-                    .await
-                    .ok()?;
-                (s == state).then_some(())
+        let start = std::time::Instant::now();
+        loop {
+            let s: Option<DeliveryState> = sqlx::query_scalar("SELECT state FROM deliveries WHERE id = $1")
+                .bind(uuid)
+                .fetch_one(&self.pool)
+                .await
+                .ok();
+            if s == Some(state) {
+                return self.delivery(id).await;
             }
-        })
-        .await;
-        self.delivery(id).await
+            if start.elapsed() > timeout {
+                panic!(
+                    "timed out after {timeout:?} waiting for delivery {id} to be {}; it is {s:?}\n{}",
+                    state.as_str(),
+                    self.story_of(uuid).await
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A delivery's jobs, attempts and events, for the message of a failed wait.
+    async fn story_of(&self, id: uuid::Uuid) -> String {
+        let rows: Vec<String> = sqlx::query_scalar(
+            r#"SELECT format('job %s %s attempt %s/%s owner %s lease %s effect %s error %s', kind, state, attempt,
+                             max_attempts, lease_owner, lease_expires_at - now(), effect_started_at, last_error)
+               FROM jobs WHERE payload->>'delivery_id' = $1::text
+               UNION ALL
+               SELECT format('attempt %s by %s epoch %s outcome %s', started_at, worker, lease_attempt, outcome)
+               FROM send_attempts WHERE delivery_id = $1
+               UNION ALL
+               SELECT format('event %s %s -> %s by %s: %s', seq, from_state, to_state, actor, reason)
+               FROM delivery_events WHERE delivery_id = $1
+               UNION ALL
+               SELECT format('worker %s stopped %s heartbeat %s', id, stopped_at, heartbeat_at) FROM workers"#,
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await
+        .unwrap_or_else(|e| vec![format!("(could not read: {e})")]);
+        rows.join("\n")
     }
 
     /// Approves the current artifact as the reviewer.

@@ -3,9 +3,9 @@
 //! down gracefully.
 //!
 //! Invariants:
-//! - Jobs are claimed for free slots; a batched claim (`claim_batch` above the free slots)
-//!   keeps at most one batch waiting beyond them, two when `claim_batch` is above
-//!   `concurrency`; they are heartbeated like running jobs and given back on stop.
+//! - Jobs are claimed for free slots. Only a prefetching worker (`claim_batch` above
+//!   `concurrency`) keeps jobs waiting beyond them, at most two batches, heartbeated like
+//!   running ones and given back on stop.
 //! - Every write for a claimed job is fenced on its lease; a lost lease cancels the job's
 //!   handler and its result is dropped.
 //! - On shutdown: stop claiming, let in-flight jobs finish within the grace period, then
@@ -276,12 +276,20 @@ impl Worker {
                         spawn_claim(&mut claims, &claim_ctx, want, woke_by_notify, std::mem::take(&mut pending));
                         reserved += want;
                     }
-                } else {
-                    // Jobs waiting beyond the slots, counting the claims in flight as full: a
-                    // claim starts once half a batch has left the last batch claimed.
-                    let ahead = if want > s.concurrency { BATCHES_AHEAD } else { 1 };
-                    while claims.len() < ahead && (ready.len() + claims.len() * want) * 2 < (2 * ahead - 1) * want {
+                } else if want > s.concurrency {
+                    // Prefetching: jobs waiting beyond the slots, counting the claims in flight
+                    // as full; a claim starts once half a batch has left the last one claimed.
+                    while claims.len() < BATCHES_AHEAD
+                        && (ready.len() + claims.len() * want) * 2 < (2 * BATCHES_AHEAD - 1) * want
+                    {
                         spawn_claim(&mut claims, &claim_ctx, want, woke_by_notify, Vec::new());
+                    }
+                } else if claims.is_empty() {
+                    // As many as there are free slots, and none to wait in a buffer: a job
+                    // waiting here could run now on another worker.
+                    let free = s.concurrency.saturating_sub(tasks.len() + ready.len());
+                    if free > 0 {
+                        spawn_claim(&mut claims, &claim_ctx, free, woke_by_notify, Vec::new());
                     }
                 }
             }
@@ -301,7 +309,7 @@ impl Worker {
                     match done.jobs {
                         Ok(jobs) => {
                             db_backoff = Duration::from_millis(100);
-                            if jobs.len() < want {
+                            if jobs.len() < done.asked {
                                 idle = true;
                             }
                             if !jobs.is_empty() {
@@ -572,6 +580,8 @@ const CLAIM_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// What one claim statement brought back.
 struct ClaimResult {
     jobs: Result<Vec<Job>, QueueError>,
+    /// The most jobs the claim asked for: fewer means none are left to claim now.
+    asked: usize,
     took: Duration,
     /// The claim was made right after a NOTIFY woke the worker.
     after_notify: bool,
@@ -639,7 +649,7 @@ fn spawn_claim(
         if from.is_some() {
             bump(&c.stats.bounded_claims);
         }
-        ClaimResult { jobs, took, after_notify }
+        ClaimResult { jobs, asked: want, took, after_notify }
     });
 }
 
@@ -699,8 +709,8 @@ const COMPLETION_RETRY_MAX: Duration = Duration::from_millis(800);
 
 /// Batches claimed ahead of the slots when claims prefetch (`claim_batch` above
 /// `concurrency`), counting claims in flight: one claim's commit overlaps the next one's.
-/// A claim of exactly `concurrency` keeps one batch ahead, so slow jobs do not wait here
-/// while another worker could run them.
+/// Without prefetching, a worker claims only for its free slots, so slow jobs never wait in
+/// its buffer while another worker could run them.
 const BATCHES_AHEAD: usize = 2;
 
 /// Completion statements in flight at once when completions are batched.

@@ -8,6 +8,7 @@ use std::time::Duration;
 use airlock_core::queue::{self, ClaimFilter, EffectClass, FailOutcome, JobState, NewJob, QueueError};
 use serde_json::json;
 use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -739,6 +740,56 @@ async fn graceful_stop_in_process_finishes_in_flight_work(pool: PgPool) {
     let stopped: Option<chrono::DateTime<chrono::Utc>> =
         sqlx::query_scalar("SELECT stopped_at FROM workers WHERE id = 'drain-test'").fetch_one(&pool).await.unwrap();
     assert!(stopped.is_some());
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_worker_that_does_not_prefetch_leaves_what_it_cannot_run_to_others(pool: PgPool) {
+    // Two jobs that run until told to stop; each reports the worker that started it.
+    let (started, mut starts) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let release = CancellationToken::new();
+    let registry = || {
+        let (started, release) = (started.clone(), release.clone());
+        let mut r = airlock_worker::Registry::new();
+        r.register_fn("test.hold", move |ctx: airlock_worker::JobContext| {
+            let (started, release) = (started.clone(), release.clone());
+            async move {
+                let owner: String = sqlx::query_scalar("SELECT lease_owner FROM jobs WHERE id = $1")
+                    .bind(ctx.job.id)
+                    .fetch_one(&ctx.pool)
+                    .await
+                    .map_err(|e| airlock_worker::HandlerError::retry(e.to_string()))?;
+                let _ = started.send(owner);
+                release.cancelled().await;
+                Ok(airlock_worker::Outcome::Completed)
+            }
+        });
+        r
+    };
+    for _ in 0..2 {
+        enqueue(&pool, NewJob::new("test.hold", json!({}))).await;
+    }
+    // One slot each, claims of one (claim_batch = concurrency: no prefetching).
+    let one_slot = |id: &str| airlock_worker::WorkerSettings {
+        concurrency: 1,
+        claim_batch: 1,
+        ..settings(id, Duration::from_millis(50))
+    };
+    let stop = CancellationToken::new();
+    let first =
+        tokio::spawn(airlock_worker::Worker::new(pool.clone(), registry(), one_slot("first")).run(stop.clone()));
+    let wait = Duration::from_secs(30);
+    assert_eq!(tokio::time::timeout(wait, starts.recv()).await.expect("a job starts").unwrap(), "first");
+    // The first worker's slot is taken: the other job must still be free for the second.
+    let second =
+        tokio::spawn(airlock_worker::Worker::new(pool.clone(), registry(), one_slot("second")).run(stop.clone()));
+    let other = tokio::time::timeout(wait, starts.recv()).await.expect("the other job starts on the second worker");
+    assert_eq!(other.unwrap(), "second");
+    release.cancel();
+    stop.cancel();
+    first.await.unwrap().unwrap();
+    second.await.unwrap().unwrap();
+    let states: Vec<JobState> = sqlx::query_scalar("SELECT state FROM jobs").fetch_all(&pool).await.unwrap();
+    assert_eq!(states, vec![JobState::Completed; 2]);
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]

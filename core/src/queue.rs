@@ -472,14 +472,38 @@ pub async fn heartbeat(db: impl PgExecutor<'_>, lease: Lease, extend: Duration) 
     fenced(r, lease)
 }
 
+/// The held jobs among the arrays of ids `$ids` and attempts `$attempts`, locked in id
+/// order, as `held(id)`: what a statement over many held jobs joins, so that two of them
+/// on overlapping jobs (a worker's heartbeat and its completions) take their locks in the
+/// same order and never deadlock. An update alone locks rows in whatever order its plan
+/// meets them: the arrays' order, or the table's on a small table.
+macro_rules! held_in_id_order {
+    ($ids:literal, $attempts:literal) => {
+        concat!(
+            "(SELECT h.id FROM jobs h JOIN unnest(",
+            $ids,
+            "::uuid[], ",
+            $attempts,
+            "::int[]) AS t(id, attempt) ON h.id = t.id AND h.attempt = t.attempt ",
+            "WHERE h.state = 'running' ORDER BY h.id FOR UPDATE OF h) AS held"
+        )
+    };
+}
+
+/// What completing a held job sets.
+macro_rules! completed {
+    () => {
+        "state = 'completed', finished_at = now(), lease_owner = NULL, lease_expires_at = NULL, effect_started_at = NULL"
+    };
+}
+
 /// Extends the leases whose ids and attempts are the arrays `$1` and `$2` by `$3` seconds,
-/// locking the jobs in id order first (see [`COMPLETE_SQL`]).
-pub const HEARTBEAT_MANY_SQL: &str = r#"UPDATE jobs j SET lease_expires_at = now() + make_interval(secs => $3), heartbeat_at = now()
-    FROM (SELECT h.id FROM jobs h JOIN unnest($1::uuid[], $2::int[]) AS t(id, attempt)
-              ON h.id = t.id AND h.attempt = t.attempt
-          WHERE h.state = 'running' ORDER BY h.id FOR UPDATE OF h) AS held
-    WHERE j.id = held.id AND j.state = 'running'
-    RETURNING j.id, j.attempt"#;
+/// locking the jobs in id order first.
+pub const HEARTBEAT_MANY_SQL: &str = concat!(
+    "UPDATE jobs j SET lease_expires_at = now() + make_interval(secs => $3), heartbeat_at = now() FROM ",
+    held_in_id_order!("$1", "$2"),
+    " WHERE j.id = held.id AND j.state = 'running' RETURNING j.id, j.attempt"
+);
 
 /// Extends many leases in one statement; returns the leases that are still held (the
 /// others were lost and their holders must stop).
@@ -532,9 +556,8 @@ pub const MARK_EFFECT_STARTED_SQL: &str = r#"UPDATE jobs SET effect_started_at =
 
 /// Completes the job held under lease (`$1` id, `$2` attempt); like
 /// [`MARK_EFFECT_STARTED_SQL`], a statement of its own or part of a larger one.
-pub const COMPLETE_HELD_SQL: &str = r#"UPDATE jobs SET state = 'completed', finished_at = now(), lease_owner = NULL,
-        lease_expires_at = NULL, effect_started_at = NULL
-    WHERE id = $1 AND attempt = $2 AND state = 'running'"#;
+pub const COMPLETE_HELD_SQL: &str =
+    concat!("UPDATE jobs SET ", completed!(), " WHERE id = $1 AND attempt = $2 AND state = 'running'");
 
 /// Completes a held job.
 pub async fn complete(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), QueueError> {
@@ -543,30 +566,23 @@ pub async fn complete(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), Queue
 }
 
 /// Completes the held jobs whose ids and attempts are the arrays `{ids}` and `{attempts}`,
-/// fenced on their leases; returns the ones completed.
-///
-/// It locks the jobs in id order before it updates them, as [`HEARTBEAT_MANY_SQL`] does, so
-/// the two never deadlock on a worker's overlapping jobs (an update locks rows in whatever
-/// order its plan meets them: the arrays' order, or the table's on a small table).
-const COMPLETE_SQL: &str = r#"
-    UPDATE jobs d SET state = 'completed', finished_at = now(), lease_owner = NULL,
-        lease_expires_at = NULL, effect_started_at = NULL
-    FROM (SELECT h.id FROM jobs h JOIN unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)
-              ON h.id = t.id AND h.attempt = t.attempt
-          WHERE h.state = 'running' ORDER BY h.id FOR UPDATE OF h) AS held
-    WHERE d.id = held.id AND d.state = 'running'
-    RETURNING d.id, d.attempt
-"#;
+/// fenced on their leases, locking them in id order first; returns the ones completed.
+const COMPLETE_SQL: &str = concat!(
+    "UPDATE jobs d SET ",
+    completed!(),
+    " FROM ",
+    held_in_id_order!("{ids}", "{attempts}"),
+    " WHERE d.id = held.id AND d.state = 'running' RETURNING d.id, d.attempt"
+);
 
 /// [`COMPLETE_SQL`] for one job: a statement that waits for one row lock and holds no other
 /// lock of a held job cannot deadlock, and does without the sort and second lookup.
-const COMPLETE_ONE_SQL: &str = r#"
-    UPDATE jobs d SET state = 'completed', finished_at = now(), lease_owner = NULL,
-        lease_expires_at = NULL, effect_started_at = NULL
-    FROM unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)
-    WHERE d.id = t.id AND d.attempt = t.attempt AND d.state = 'running'
-    RETURNING d.id, d.attempt
-"#;
+const COMPLETE_ONE_SQL: &str = concat!(
+    "UPDATE jobs d SET ",
+    completed!(),
+    " FROM unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)",
+    " WHERE d.id = t.id AND d.attempt = t.attempt AND d.state = 'running' RETURNING d.id, d.attempt"
+);
 
 /// The statement of [`complete_many`]: completes the held jobs whose ids and attempts are
 /// the arrays `$1` and `$2`.

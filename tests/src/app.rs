@@ -197,25 +197,22 @@ impl TestApp {
 
     pub async fn wait_state(&self, id: &str, state: DeliveryState, timeout: Duration) -> Value {
         let uuid = uuid::Uuid::parse_str(id).expect("uuid");
-        let start = std::time::Instant::now();
-        loop {
-            let s: Option<DeliveryState> = sqlx::query_scalar("SELECT state FROM deliveries WHERE id = $1")
+        let state_now = || async {
+            sqlx::query_scalar::<_, DeliveryState>("SELECT state FROM deliveries WHERE id = $1")
                 .bind(uuid)
                 .fetch_one(&self.pool)
                 .await
-                .ok();
-            if s == Some(state) {
-                return self.delivery(id).await;
-            }
-            if start.elapsed() > timeout {
-                panic!(
-                    "timed out after {timeout:?} waiting for delivery {id} to be {}; it is {s:?}\n{}",
-                    state.as_str(),
-                    self.story_of(uuid).await
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+                .ok()
+        };
+        if harness::poll_until(timeout, || async { (state_now().await == Some(state)).then_some(()) }).await.is_none() {
+            panic!(
+                "timed out after {timeout:?} waiting for delivery {id} to be {}; it is {:?}\n{}",
+                state.as_str(),
+                state_now().await,
+                self.story_of(uuid).await
+            );
         }
+        self.delivery(id).await
     }
 
     /// A delivery's jobs, attempts and events, for the message of a failed wait.

@@ -77,7 +77,19 @@ pub fn wait_exit(child: &mut Child, timeout: Duration) -> std::process::ExitStat
 }
 
 /// Polls `check` every 20 ms until it returns `Some`, or panics after `timeout` with `what`.
-pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    match poll_until(timeout, check).await {
+        Some(v) => v,
+        None => panic!("timed out after {timeout:?} waiting for {what}"),
+    }
+}
+
+/// Polls `check` every 20 ms until it returns `Some`; `None` once `timeout` has passed.
+pub async fn poll_until<T, F, Fut>(timeout: Duration, mut check: F) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
@@ -85,9 +97,11 @@ where
     let start = Instant::now();
     loop {
         if let Some(v) = check().await {
-            return v;
+            return Some(v);
         }
-        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        if start.elapsed() >= timeout {
+            return None;
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

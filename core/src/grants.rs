@@ -3,7 +3,7 @@
 //!
 //! Invariants:
 //! - A grant is used only by a delivery in `awaiting_approval` (never `in_review`).
-//! - Using a grant is one guarded `UPDATE … SET uses = uses + 1 WHERE uses < max_uses`
+//! - Using a grant is one guarded `UPDATE … SET uses = uses + n WHERE uses + n <= max_uses`
 //!   under a row lock, so racing workers can never overspend it.
 //! - A grant's scope cannot change after creation (a trigger refuses it); it can only be
 //!   used up, expire, or be revoked.
@@ -294,12 +294,19 @@ pub async fn find_match(
 /// lock it takes makes a racing user wait and then re-check, so `max_uses` is never
 /// exceeded; call it last before the commit, as every other user of the grant waits.
 pub async fn consume(db: impl PgExecutor<'_>, id: Uuid) -> Result<bool, sqlx::Error> {
+    consume_many(db, id, 1).await
+}
+
+/// Counts `n` uses of a grant at once (deliveries approved together), all or none: false
+/// when the grant is no longer live or has fewer than `n` uses left.
+pub async fn consume_many(db: impl PgExecutor<'_>, id: Uuid, n: i32) -> Result<bool, sqlx::Error> {
     let used: Option<Uuid> = sqlx::query_scalar(
-        r#"UPDATE grants SET uses = uses + 1
-           WHERE id = $1 AND revoked_at IS NULL AND expires_at > now() AND uses < max_uses
+        r#"UPDATE grants SET uses = uses + $2
+           WHERE id = $1 AND revoked_at IS NULL AND expires_at > now() AND uses + $2 <= max_uses
            RETURNING id"#,
     )
     .bind(id)
+    .bind(n)
     .fetch_optional(db)
     .await?;
     Ok(used.is_some())

@@ -352,3 +352,144 @@ async fn revoked_tokens_are_refused_at_once(pool: PgPool) {
         harness::spawn("airlock-admin", &["token", "revoke", "temp"], &app.db_url, &[]).wait_with_output().unwrap();
     assert!(!out.status.success(), "revoking twice is an error");
 }
+
+/// Score jobs claimed together are scored in one transaction that counts each grant's uses
+/// once for all the deliveries it approves; a batch that would overspend a grant, or holds
+/// a lost lease, is scored one delivery at a time instead. Either way: one score per
+/// delivery, a grant never used past `max_uses`, one send job per approval, every event
+/// chain intact, and nothing written under a lost lease.
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
+    use airlock_core::delivery::pipeline::{self, PipelineError};
+    use airlock_core::delivery::store;
+    use airlock_core::queue::{self, ClaimFilter, Lease, QueueError};
+    use airlock_core::scoring::DefaultScorer;
+    use uuid::Uuid;
+
+    let app = TestApp::start(pool, &[]).await;
+    let scorer = DefaultScorer::new(app.config.delivery.known_domains.clone());
+    let run = app.create_run(0).await;
+    let claim = |n: i64| {
+        let app = &app;
+        async move {
+            let scores = ClaimFilter { queues: Some(vec![queue::DEFAULT_QUEUE.into()]) };
+            let jobs = queue::claim_batch(&app.pool, "probe", &scores, n, Duration::from_secs(60)).await.unwrap();
+            assert_eq!(jobs.len() as i64, n, "every score job is claimed");
+            jobs.iter()
+                .map(|j| (j.lease(), Uuid::parse_str(j.payload["delivery_id"].as_str().unwrap()).unwrap()))
+                .collect::<Vec<(Lease, Uuid)>>()
+        }
+    };
+    // Transactions that wrote the scores of `ids`, and how many scores each delivery has.
+    let scored = |ids: Vec<Uuid>| {
+        let app = &app;
+        async move {
+            let tx: i64 =
+                sqlx::query_scalar("SELECT count(DISTINCT xmin::text) FROM scores WHERE delivery_id = ANY ($1)")
+                    .bind(&ids)
+                    .fetch_one(&app.pool)
+                    .await
+                    .unwrap();
+            let per: Vec<i64> = sqlx::query_scalar(
+                "SELECT (SELECT count(*) FROM scores s WHERE s.delivery_id = d) FROM unnest($1::uuid[]) AS d",
+            )
+            .bind(&ids)
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+            (tx, per)
+        }
+    };
+    let state = |id: Uuid| {
+        let app = &app;
+        async move {
+            let d = store::get(&app.pool, id).await.unwrap().unwrap();
+            assert_eq!(store::verify_chain(id, &store::events(&app.pool, id).await.unwrap()), None, "chain of {id}");
+            d.state
+        }
+    };
+    let grant_uses = |gid: String| {
+        let app = &app;
+        async move {
+            let g = Uuid::parse_str(&gid).unwrap();
+            let row: (i32, i64, i64) = sqlx::query_as(
+                r#"SELECT uses, (SELECT count(*) FROM approvals WHERE grant_id = $1),
+                          (SELECT count(*) FROM jobs j JOIN approvals a ON a.delivery_id = (j.payload->>'delivery_id')::uuid
+                           WHERE a.grant_id = $1 AND j.kind = 'delivery.send')
+                   FROM grants WHERE id = $1"#,
+            )
+            .bind(g)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+            row
+        }
+    };
+
+    // Six uses, eight matching deliveries: together they would overspend, so each is scored
+    // alone; the first six take the grant, the last two wait for a human.
+    let small = create_grant(&app, grant(&["example.org"], 6, 0.5)).await;
+    for i in 0..8 {
+        app.submit(TestApp::email(&run, &format!("a{i}"), "Newsletter")).await;
+    }
+    let items = claim(8).await;
+    let results = pipeline::score_many(&app.pool, &app.config, &scorer, &items).await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let ids: Vec<Uuid> = items.iter().map(|(_, id)| *id).collect();
+    assert_eq!(scored(ids.clone()).await, (8, vec![1; 8]), "one transaction per delivery, one score each");
+    let mut states = Vec::new();
+    for id in &ids {
+        states.push(state(*id).await);
+    }
+    assert_eq!(states.iter().filter(|s| **s == DeliveryState::Approved).count(), 6, "{states:?}");
+    assert_eq!(states.iter().filter(|s| **s == DeliveryState::AwaitingApproval).count(), 2, "{states:?}");
+    assert_eq!(grant_uses(small.clone()).await, (6, 6, 6), "uses, approvals and send jobs agree");
+
+    // A grant with uses to spare: matching deliveries, one for review and one out of scope
+    // are scored in one transaction, and the grant counts exactly its approvals.
+    let big = create_grant(&app, grant(&["example.org"], 100, 0.5)).await;
+    for i in 0..6 {
+        app.submit(TestApp::email(&run, &format!("b{i}"), "Newsletter")).await;
+    }
+    let mut risky = TestApp::email(&run, "b-risky", "x");
+    risky["email"]["text"] = json!(
+        "see http://a.example http://b.example http://c.example http://d.example http://e.example http://f.example"
+    );
+    let risky = Uuid::parse_str(&app.submit(risky).await).unwrap();
+    let mut other = TestApp::email(&run, "b-other", "Newsletter");
+    other["email"]["to"] = json!(["bob@elsewhere.example"]);
+    let other = Uuid::parse_str(&app.submit(other).await).unwrap();
+    let items = claim(8).await;
+    let results = pipeline::score_many(&app.pool, &app.config, &scorer, &items).await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let ids: Vec<Uuid> = items.iter().map(|(_, id)| *id).collect();
+    assert_eq!(scored(ids.clone()).await, (1, vec![1; 8]), "one transaction for the batch, one score each");
+    assert_eq!(state(risky).await, DeliveryState::InReview);
+    assert_eq!(state(other).await, DeliveryState::AwaitingApproval);
+    for id in ids.iter().filter(|id| ![risky, other].contains(id)) {
+        assert_eq!(state(*id).await, DeliveryState::Approved);
+    }
+    assert_eq!(grant_uses(big.clone()).await, (6, 6, 6));
+    assert_eq!(grant_uses(small).await, (6, 6, 6), "the spent grant is untouched");
+    let open: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE kind = 'delivery.score' AND state <> 'completed'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(open, 0, "every score job is completed");
+
+    // A batch with a lease that is not held: the others are scored, the lost one gets the
+    // lease error and nothing is written for it.
+    for i in 0..3 {
+        app.submit(TestApp::email(&run, &format!("c{i}"), "Newsletter")).await;
+    }
+    let mut items = claim(3).await;
+    items[1].0.attempt += 1;
+    let results = pipeline::score_many(&app.pool, &app.config, &scorer, &items).await;
+    assert!(results[0].is_ok() && results[2].is_ok(), "{results:?}");
+    assert!(matches!(results[1], Err(PipelineError::Queue(QueueError::LeaseLost { .. }))), "{results:?}");
+    let ids: Vec<Uuid> = items.iter().map(|(_, id)| *id).collect();
+    assert_eq!(scored(ids.clone()).await.1, vec![1, 0, 1]);
+    assert_eq!(state(ids[1]).await, DeliveryState::Persisted);
+    assert_eq!(grant_uses(big).await, (8, 8, 8));
+}

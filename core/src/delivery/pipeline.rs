@@ -196,6 +196,60 @@ pub async fn score(
     Ok(())
 }
 
+/// How scoring routes one delivery: to review below the threshold, else to approval.
+struct Routed {
+    score: crate::scoring::Score,
+    route: Action,
+    why: String,
+}
+
+fn route(cfg: &Config, scorer: &dyn Scorer, artifact: &Artifact) -> Routed {
+    let score = scorer.score(artifact);
+    let threshold = cfg.scoring.review_threshold;
+    let (route, why) = if score.value < threshold {
+        (Action::RouteToReview, format!("score {} is below the review threshold {threshold}", score.value))
+    } else {
+        (Action::RouteToApproval, format!("score {} is at or above the review threshold {threshold}", score.value))
+    };
+    Routed { score, route, why }
+}
+
+/// The grant that approves a routed delivery, if one matches (never for review).
+async fn matching_grant(
+    tx: &mut Transaction<'_, Postgres>,
+    d: &Delivery,
+    artifact: &Artifact,
+    r: &Routed,
+    passed_over: &[Uuid],
+) -> Result<Option<Uuid>, sqlx::Error> {
+    match r.route {
+        Action::RouteToApproval => grants::find_match(&mut **tx, &d.agent, artifact, r.score.value, passed_over).await,
+        _ => Ok(None),
+    }
+}
+
+/// The moves of one scored delivery: scored, routed, and approved when a grant matched.
+fn score_steps<'a>(r: &'a Routed, actor: &'a Actor, grant: Option<(Uuid, &'a Actor)>, sha: &str) -> Vec<Step<'a>> {
+    let mut steps = vec![
+        Step {
+            action: Action::Score,
+            actor,
+            reason: None,
+            data: json!({"score": r.score.value, "reasons": r.score.reasons}),
+        },
+        Step { action: r.route, actor, reason: Some(&r.why), data: json!({}) },
+    ];
+    if let Some((grant_id, grant_actor)) = grant {
+        steps.push(Step {
+            action: Action::Approve,
+            actor: grant_actor,
+            reason: Some("matched a standing grant"),
+            data: json!({"artifact_sha256": sha, "grant_id": grant_id}),
+        });
+    }
+    steps
+}
+
 /// One attempt of [`score`]: `Some(grant)` when that grant could not be used after all and
 /// nothing was committed.
 async fn score_once(
@@ -214,39 +268,17 @@ async fn score_once(
         return Ok(None);
     }
     let artifact = Artifact::from_json(&body, &stored_limits())?;
-    let s = scorer.score(&artifact);
+    let r = route(cfg, scorer, &artifact);
+    let grant = matching_grant(&mut tx, &d, &artifact, &r, passed_over).await?;
     let threshold = cfg.scoring.review_threshold;
-    let (route, why) = if s.value < threshold {
-        (Action::RouteToReview, format!("score {} is below the review threshold {threshold}", s.value))
-    } else {
-        (Action::RouteToApproval, format!("score {} is at or above the review threshold {threshold}", s.value))
-    };
-    // A grant never applies to what goes to review.
-    let grant = match route {
-        Action::RouteToApproval => grants::find_match(&mut *tx, &d.agent, &artifact, s.value, passed_over).await?,
-        _ => None,
-    };
-    store::insert_score(&mut *tx, d.id, &d.artifact_sha256, s.value, &s.reasons, scorer.name(), threshold).await?;
+    store::insert_score(&mut *tx, d.id, &d.artifact_sha256, r.score.value, &r.score.reasons, scorer.name(), threshold)
+        .await?;
     let actor = Actor::system(&format!("scorer.{}", scorer.name()));
     let grant_actor = grant.map(|g| Actor::new("grant", g.to_string()));
-    let mut steps = vec![
-        Step {
-            action: Action::Score,
-            actor: &actor,
-            reason: None,
-            data: json!({"score": s.value, "reasons": s.reasons}),
-        },
-        Step { action: route, actor: &actor, reason: Some(&why), data: json!({}) },
-    ];
-    if let (Some(grant_id), Some(grant_actor)) = (grant, &grant_actor) {
+    if let Some(grant_id) = grant {
         store::insert_approval(&mut *tx, d.id, &d.artifact_sha256, None, Some(grant_id), None).await?;
-        steps.push(Step {
-            action: Action::Approve,
-            actor: grant_actor,
-            reason: Some("matched a standing grant"),
-            data: json!({"artifact_sha256": d.artifact_sha256, "grant_id": grant_id}),
-        });
     }
+    let steps = score_steps(&r, &actor, grant.zip(grant_actor.as_ref()), &d.artifact_sha256);
     let moved = store::advance(&mut tx, &d, &steps).await?;
     if grant.is_some() {
         enqueue_send(&mut tx, cfg, &moved).await?;
@@ -263,6 +295,112 @@ async fn score_once(
     crate::fault::hit("score.before_commit").await.map_err(|e| PipelineError::Invalid(e.to_string()))?;
     tx.commit().await?;
     Ok(None)
+}
+
+/// The most deliveries [`score_many`] scores in one transaction.
+pub const MAX_SCORE_BATCH: usize = 32;
+
+/// Scores several deliveries, each under its own job's lease: one transaction for all of
+/// them when it can commit as a whole (every lease still held, every grant with uses
+/// enough for all the deliveries it approves), else one [`score`] each. A grant's uses are
+/// then counted once per transaction, not once per delivery, so deliveries approved by one
+/// grant no longer queue on its row one commit at a time. Results are in input order.
+pub async fn score_many(
+    pool: &PgPool,
+    cfg: &Config,
+    scorer: &dyn Scorer,
+    items: &[(Lease, Uuid)],
+) -> Vec<Result<(), PipelineError>> {
+    if items.len() > 1 {
+        match score_together(pool, cfg, scorer, items).await {
+            Ok(true) => return items.iter().map(|_| Ok(())).collect(),
+            Ok(false) => tracing::debug!(jobs = items.len(), "scoring together refused; scoring one by one"),
+            Err(e) => tracing::debug!(jobs = items.len(), error = %e, "scoring together failed; scoring one by one"),
+        }
+    }
+    let mut out = Vec::with_capacity(items.len());
+    for (lease, id) in items {
+        out.push(score(pool, cfg, scorer, *lease, *id).await);
+    }
+    out
+}
+
+/// The one transaction of [`score_many`]; false (nothing committed) when it cannot hold
+/// for every delivery.
+async fn score_together(
+    pool: &PgPool,
+    cfg: &Config,
+    scorer: &dyn Scorer,
+    items: &[(Lease, Uuid)],
+) -> Result<bool, PipelineError> {
+    let ids: Vec<Uuid> = items.iter().map(|(_, id)| *id).collect();
+    let mut tx = pool.begin().await?;
+    let locked = store::lock_many_with_artifact(&mut *tx, &ids).await?;
+    if locked.len() != items.len() {
+        return Ok(false);
+    }
+    let mut scored = Vec::with_capacity(locked.len());
+    for (d, body) in &locked {
+        if d.state != DeliveryState::Persisted {
+            continue;
+        }
+        let artifact = Artifact::from_json(body, &stored_limits())?;
+        let r = route(cfg, scorer, &artifact);
+        let grant = matching_grant(&mut tx, d, &artifact, &r, &[]).await?;
+        scored.push((d, r, grant.map(|g| (g, Actor::new("grant", g.to_string())))));
+    }
+    let threshold = cfg.scoring.review_threshold;
+    let scores: Vec<store::NewScore> = scored
+        .iter()
+        .map(|(d, r, _)| store::NewScore {
+            delivery_id: d.id,
+            artifact_sha256: &d.artifact_sha256,
+            value: r.score.value,
+            reasons: &r.score.reasons,
+            scorer: scorer.name(),
+            threshold,
+        })
+        .collect();
+    store::insert_scores(&mut *tx, &scores).await?;
+    let approvals: Vec<store::NewApproval> = scored
+        .iter()
+        .filter_map(|(d, _, g)| g.as_ref().map(|(grant_id, _)| (d, *grant_id)))
+        .map(|(d, grant_id)| store::NewApproval {
+            delivery_id: d.id,
+            artifact_sha256: &d.artifact_sha256,
+            approver: None,
+            grant_id: Some(grant_id),
+            note: None,
+        })
+        .collect();
+    store::insert_approvals(&mut *tx, &approvals).await?;
+    let actor = Actor::system(&format!("scorer.{}", scorer.name()));
+    let steps: Vec<Vec<Step>> = scored
+        .iter()
+        .map(|(d, r, g)| score_steps(r, &actor, g.as_ref().map(|(id, a)| (*id, a)), &d.artifact_sha256))
+        .collect();
+    let moves: Vec<(&Delivery, &[Step])> = scored.iter().zip(&steps).map(|((d, _, _), s)| (*d, s.as_slice())).collect();
+    let moved = store::advance_many(&mut tx, &moves).await?;
+    let sends: Vec<NewJob> =
+        moved.iter().zip(&scored).filter(|(_, (_, _, g))| g.is_some()).map(|(d, _)| send_job_for(cfg, d)).collect();
+    queue::enqueue_many(&mut tx, &sends).await?;
+    let leases: Vec<Lease> = items.iter().map(|(lease, _)| *lease).collect();
+    if queue::complete_many(&mut *tx, &leases).await?.len() != leases.len() {
+        return Ok(false);
+    }
+    // Last, in id order, as in [`score_once`]: each grant's row is locked only for the commit.
+    let mut uses = std::collections::BTreeMap::<Uuid, i32>::new();
+    for (grant_id, _) in scored.iter().filter_map(|(_, _, g)| g.as_ref()) {
+        *uses.entry(*grant_id).or_default() += 1;
+    }
+    for (grant_id, n) in uses {
+        if !grants::consume_many(&mut *tx, grant_id, n).await? {
+            return Ok(false);
+        }
+    }
+    crate::fault::hit("score.before_commit").await.map_err(|e| PipelineError::Invalid(e.to_string()))?;
+    tx.commit().await?;
+    Ok(true)
 }
 
 fn reviewer_actor(p: &Principal) -> Actor {
@@ -427,16 +565,20 @@ async fn approve_in(
 }
 
 async fn enqueue_send(tx: &mut Transaction<'_, Postgres>, cfg: &Config, d: &Delivery) -> Result<(), QueueError> {
-    let job = NewJob::new(SEND_JOB, json!({"delivery_id": d.id}))
+    queue::enqueue(tx, &send_job_for(cfg, d)).await?;
+    Ok(())
+}
+
+/// The send job of an approved delivery.
+fn send_job_for(cfg: &Config, d: &Delivery) -> NewJob {
+    NewJob::new(SEND_JOB, json!({"delivery_id": d.id}))
         .queue(SEND_QUEUE)
         .effect_class(d.effect_class)
         .max_attempts(cfg.delivery.max_send_attempts)
         .unique_key(send_key(d.id))
         // Ahead of scoring: what is approved goes out before new work is taken on, so a
         // backlog of submissions does not hold back the sends behind it.
-        .priority(40);
-    queue::enqueue(tx, &job).await?;
-    Ok(())
+        .priority(40)
 }
 
 fn send_key(id: Uuid) -> String {

@@ -289,6 +289,29 @@ pub async fn lock_with_artifact(
     Ok((row.delivery, row.artifact_body))
 }
 
+/// [`lock_with_artifact`] for several deliveries at once, locked in id order (so two such
+/// statements over overlapping deliveries cannot deadlock); those that do not exist are
+/// left out.
+pub async fn lock_many_with_artifact(
+    db: impl PgExecutor<'_>,
+    ids: &[Uuid],
+) -> Result<Vec<(Delivery, serde_json::Value)>, sqlx::Error> {
+    #[derive(FromRow)]
+    struct Row {
+        #[sqlx(flatten)]
+        delivery: Delivery,
+        artifact_body: serde_json::Value,
+    }
+    let rows: Vec<Row> = sqlx::query_as(
+        r#"SELECT d.*, a.body AS artifact_body FROM deliveries d JOIN artifacts a ON a.sha256 = d.artifact_sha256
+           WHERE d.id = ANY ($1) ORDER BY d.id FOR UPDATE OF d"#,
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.delivery, r.artifact_body)).collect())
+}
+
 /// What transaction A of a send reads, in one statement.
 #[derive(Debug, FromRow)]
 pub struct ForSend {
@@ -351,39 +374,11 @@ pub async fn advance(
     d: &Delivery,
     steps: &[Step<'_>],
 ) -> Result<Delivery, DeliveryError> {
-    let refused = |from: DeliveryState, action: Action| DeliveryError::InvalidTransition {
-        from: from.as_str(),
-        action: action.as_str(),
-    };
     let Some(first) = steps.first() else {
         return Ok(d.clone());
     };
     let mut ev = EventColumns::default();
-    let (mut state, mut head) = (d.state, d.event_hash.clone());
-    for (i, step) in steps.iter().enumerate() {
-        let to = next(state, step.action).ok_or_else(|| refused(state, step.action))?;
-        let seq = d.version + 1 + i as i32;
-        let actor = step.actor.label();
-        let content = EventContent {
-            delivery_id: d.id,
-            seq,
-            from: Some(state),
-            to,
-            actor: &actor,
-            reason: step.reason,
-            data: &step.data,
-        };
-        let hash = event_hash(Some(&head), &content);
-        ev.seq.push(seq);
-        ev.from.push(state.as_str());
-        ev.to.push(to.as_str());
-        ev.actor.push(actor);
-        ev.reason.push(step.reason);
-        ev.data.push(step.data.clone());
-        ev.prev.push(std::mem::replace(&mut head, hash.clone()));
-        ev.hash.push(hash);
-        state = to;
-    }
+    let moved = ev.plan(d, steps)?;
     let r = sqlx::query(
         r#"WITH moved AS (
                UPDATE deliveries SET state = $3, version = version + $4, event_hash = $5, updated_at = now()
@@ -398,9 +393,9 @@ pub async fn advance(
     )
     .bind(d.id)
     .bind(d.state)
-    .bind(state)
+    .bind(moved.state)
     .bind(steps.len() as i32)
-    .bind(&head)
+    .bind(&moved.event_hash)
     .bind(d.version)
     .bind(&ev.seq)
     .bind(&ev.from)
@@ -415,12 +410,98 @@ pub async fn advance(
     if r.rows_affected() == 0 {
         return Err(refused(d.state, first.action));
     }
-    Ok(Delivery { state, version: d.version + steps.len() as i32, event_hash: head, ..d.clone() })
+    Ok(moved)
 }
 
-/// The events of one [`advance`], column by column (bound as arrays).
+/// [`advance`] for several deliveries in one statement, each through its own steps: all
+/// or nothing (an illegal move, or a delivery that changed since it was read, refuses the
+/// whole statement and nothing is written). Returns the deliveries as they now stand, in
+/// the order given. Lock the rows in id order beforehand (see [`lock_many_with_artifact`]).
+pub async fn advance_many(
+    tx: &mut Transaction<'_, Postgres>,
+    moves: &[(&Delivery, &[Step<'_>])],
+) -> Result<Vec<Delivery>, DeliveryError> {
+    let moves: Vec<_> = moves.iter().filter(|(_, steps)| !steps.is_empty()).collect();
+    let mut ev = EventColumns::default();
+    let mut rows = RowColumns::default();
+    let mut out = Vec::with_capacity(moves.len());
+    for (d, steps) in &moves {
+        let moved = ev.plan(d, steps)?;
+        rows.id.push(d.id);
+        rows.from.push(d.state.as_str());
+        rows.to.push(moved.state.as_str());
+        rows.steps.push(steps.len() as i32);
+        rows.head.push(moved.event_hash.clone());
+        rows.version.push(d.version);
+        out.push(moved);
+    }
+    if out.is_empty() {
+        return Ok(out);
+    }
+    let changed: i64 = sqlx::query_scalar(
+        r#"WITH moved AS (
+               UPDATE deliveries d SET state = u.to_state::delivery_state, version = d.version + u.steps,
+                                       event_hash = u.head, updated_at = now()
+               FROM unnest($1::uuid[], $2::text[], $3::text[], $4::int4[], $5::text[], $6::int4[])
+                    AS u (id, from_state, to_state, steps, head, version)
+               WHERE d.id = u.id AND d.state = u.from_state::delivery_state AND d.version = u.version
+               RETURNING d.id),
+           events AS (
+               INSERT INTO delivery_events (delivery_id, seq, from_state, to_state, actor, reason, data, prev_hash,
+                                            hash)
+               SELECT moved.id, e.seq, e.from_state::delivery_state, e.to_state::delivery_state, e.actor, e.reason,
+                      e.data, e.prev_hash, e.hash
+               FROM unnest($7::uuid[], $8::int4[], $9::text[], $10::text[], $11::text[], $12::text[],
+                           $13::jsonb[], $14::text[], $15::text[])
+                    AS e (delivery_id, seq, from_state, to_state, actor, reason, data, prev_hash, hash)
+               JOIN moved ON moved.id = e.delivery_id)
+           SELECT count(*) FROM moved"#,
+    )
+    .bind(&rows.id)
+    .bind(&rows.from)
+    .bind(&rows.to)
+    .bind(&rows.steps)
+    .bind(&rows.head)
+    .bind(&rows.version)
+    .bind(&ev.delivery)
+    .bind(&ev.seq)
+    .bind(&ev.from)
+    .bind(&ev.to)
+    .bind(&ev.actor)
+    .bind(&ev.reason)
+    .bind(&ev.data)
+    .bind(&ev.prev)
+    .bind(&ev.hash)
+    .fetch_one(&mut **tx)
+    .await?;
+    if changed != out.len() as i64 {
+        // Some delivery changed since it was read: the statement wrote the other moves, and
+        // the error keeps the caller's transaction from committing them.
+        let (d, steps) = *moves[0];
+        return Err(refused(d.state, steps[0].action));
+    }
+    Ok(out)
+}
+
+fn refused(from: DeliveryState, action: Action) -> DeliveryError {
+    DeliveryError::InvalidTransition { from: from.as_str(), action: action.as_str() }
+}
+
+/// The rows of one [`advance_many`], column by column.
+#[derive(Default)]
+struct RowColumns {
+    id: Vec<Uuid>,
+    from: Vec<&'static str>,
+    to: Vec<&'static str>,
+    steps: Vec<i32>,
+    head: Vec<String>,
+    version: Vec<i32>,
+}
+
+/// The events of one [`advance`] or [`advance_many`], column by column (bound as arrays).
 #[derive(Default)]
 struct EventColumns<'a> {
+    delivery: Vec<Uuid>,
     seq: Vec<i32>,
     from: Vec<&'static str>,
     to: Vec<&'static str>,
@@ -429,6 +510,40 @@ struct EventColumns<'a> {
     data: Vec<serde_json::Value>,
     prev: Vec<String>,
     hash: Vec<String>,
+}
+
+impl<'a> EventColumns<'a> {
+    /// Appends the events of `d` going through `steps` (each a legal move from the state the
+    /// last one left, hash-chained from its head); returns the delivery as it will stand.
+    fn plan(&mut self, d: &Delivery, steps: &[Step<'a>]) -> Result<Delivery, DeliveryError> {
+        let (mut state, mut head) = (d.state, d.event_hash.clone());
+        for (i, step) in steps.iter().enumerate() {
+            let to = next(state, step.action).ok_or_else(|| refused(state, step.action))?;
+            let seq = d.version + 1 + i as i32;
+            let actor = step.actor.label();
+            let content = EventContent {
+                delivery_id: d.id,
+                seq,
+                from: Some(state),
+                to,
+                actor: &actor,
+                reason: step.reason,
+                data: &step.data,
+            };
+            let hash = event_hash(Some(&head), &content);
+            self.delivery.push(d.id);
+            self.seq.push(seq);
+            self.from.push(state.as_str());
+            self.to.push(to.as_str());
+            self.actor.push(actor);
+            self.reason.push(step.reason);
+            self.data.push(step.data.clone());
+            self.prev.push(std::mem::replace(&mut head, hash.clone()));
+            self.hash.push(hash);
+            state = to;
+        }
+        Ok(Delivery { state, version: d.version + steps.len() as i32, event_hash: head, ..d.clone() })
+    }
 }
 
 /// What an event's hash covers.
@@ -524,17 +639,38 @@ pub async fn insert_score(
     scorer: &str,
     threshold: f64,
 ) -> Result<(), sqlx::Error> {
+    let score = NewScore { delivery_id, artifact_sha256, value, reasons, scorer, threshold };
+    insert_scores(db, std::slice::from_ref(&score)).await
+}
+
+/// One score to record.
+#[derive(Debug, Clone)]
+pub struct NewScore<'a> {
+    pub delivery_id: Uuid,
+    pub artifact_sha256: &'a str,
+    pub value: f64,
+    pub reasons: &'a [String],
+    pub scorer: &'a str,
+    pub threshold: f64,
+}
+
+/// Records several scores with one statement.
+pub async fn insert_scores(db: impl PgExecutor<'_>, scores: &[NewScore<'_>]) -> Result<(), sqlx::Error> {
+    if scores.is_empty() {
+        return Ok(());
+    }
     sqlx::query(
         r#"INSERT INTO scores (id, delivery_id, artifact_sha256, value, reasons, scorer, threshold)
-           VALUES ($1, $2, $3, $4, $5, $6, $7)"#,
+           SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::float8[], $5::jsonb[], $6::text[],
+                                $7::float8[])"#,
     )
-    .bind(Uuid::now_v7())
-    .bind(delivery_id)
-    .bind(artifact_sha256)
-    .bind(value)
-    .bind(serde_json::json!(reasons))
-    .bind(scorer)
-    .bind(threshold)
+    .bind(scores.iter().map(|_| Uuid::now_v7()).collect::<Vec<_>>())
+    .bind(scores.iter().map(|s| s.delivery_id).collect::<Vec<_>>())
+    .bind(scores.iter().map(|s| s.artifact_sha256).collect::<Vec<_>>())
+    .bind(scores.iter().map(|s| s.value).collect::<Vec<_>>())
+    .bind(scores.iter().map(|s| serde_json::json!(s.reasons)).collect::<Vec<_>>())
+    .bind(scores.iter().map(|s| s.scorer).collect::<Vec<_>>())
+    .bind(scores.iter().map(|s| s.threshold).collect::<Vec<_>>())
     .execute(db)
     .await?;
     Ok(())
@@ -605,16 +741,35 @@ pub async fn insert_approval(
     grant_id: Option<Uuid>,
     note: Option<&str>,
 ) -> Result<(), sqlx::Error> {
+    let approval = NewApproval { delivery_id, artifact_sha256, approver, grant_id, note };
+    insert_approvals(db, std::slice::from_ref(&approval)).await
+}
+
+/// One approval to record: by a human (`approver`) or a standing grant (`grant_id`).
+#[derive(Debug, Clone)]
+pub struct NewApproval<'a> {
+    pub delivery_id: Uuid,
+    pub artifact_sha256: &'a str,
+    pub approver: Option<&'a str>,
+    pub grant_id: Option<Uuid>,
+    pub note: Option<&'a str>,
+}
+
+/// Records several approvals with one statement.
+pub async fn insert_approvals(db: impl PgExecutor<'_>, approvals: &[NewApproval<'_>]) -> Result<(), sqlx::Error> {
+    if approvals.is_empty() {
+        return Ok(());
+    }
     sqlx::query(
         r#"INSERT INTO approvals (id, delivery_id, artifact_sha256, approver, grant_id, note)
-           VALUES ($1, $2, $3, $4, $5, $6)"#,
+           SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::uuid[], $6::text[])"#,
     )
-    .bind(Uuid::now_v7())
-    .bind(delivery_id)
-    .bind(artifact_sha256)
-    .bind(approver)
-    .bind(grant_id)
-    .bind(note)
+    .bind(approvals.iter().map(|_| Uuid::now_v7()).collect::<Vec<_>>())
+    .bind(approvals.iter().map(|a| a.delivery_id).collect::<Vec<_>>())
+    .bind(approvals.iter().map(|a| a.artifact_sha256).collect::<Vec<_>>())
+    .bind(approvals.iter().map(|a| a.approver).collect::<Vec<_>>())
+    .bind(approvals.iter().map(|a| a.grant_id).collect::<Vec<_>>())
+    .bind(approvals.iter().map(|a| a.note).collect::<Vec<_>>())
     .execute(db)
     .await?;
     Ok(())

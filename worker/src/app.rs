@@ -28,7 +28,7 @@ pub fn registry_with(cfg: &Arc<Config>, worker_id: &str, webhook_secret: Option<
     let mut r = Registry::new();
     r.register(
         SCORE_JOB,
-        ScoreHandler { config: cfg.clone(), scorer: Arc::new(DefaultScorer::new(cfg.delivery.known_domains.clone())) },
+        ScoreHandler::new(cfg.clone(), Arc::new(DefaultScorer::new(cfg.delivery.known_domains.clone()))),
     );
     let smtp = SmtpSender::from_config(&cfg.smtp)?;
     let webhook = if cfg.delivery.webhook_origins.is_empty() {

@@ -5,7 +5,7 @@
 //! point that errors between them leaves the job as a crash would: held until its lease
 //! expires, then settled by the rescuer.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use airlock_core::artifact::Artifact;
 use airlock_core::channels::EffectOutcome;
@@ -15,9 +15,11 @@ use airlock_core::config::Config;
 use airlock_core::delivery::pipeline::{self, PipelineError, SendStart};
 use airlock_core::fault;
 use airlock_core::policy;
-use airlock_core::queue::{self, Rescued};
+use airlock_core::queue::{self, Lease, Rescued};
 use airlock_core::scoring::Scorer;
-use sqlx::{Postgres, Transaction};
+use sqlx::{PgPool, Postgres, Transaction};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
 use uuid::Uuid;
 
 use crate::handler::{BoxFuture, Handler, HandlerError, JobContext, Outcome};
@@ -38,19 +40,84 @@ fn retry(e: PipelineError) -> HandlerError {
     }
 }
 
-/// Scores persisted deliveries.
+/// Scores persisted deliveries. The score jobs this process runs at the same time are
+/// scored together, in one transaction (see [`pipeline::score_many`]): a batch takes what
+/// is waiting when a batch slot frees up, so a job that comes alone is scored at once.
 pub struct ScoreHandler {
-    pub config: Arc<Config>,
-    pub scorer: Arc<dyn Scorer>,
+    config: Arc<Config>,
+    scorer: Arc<dyn Scorer>,
+    batches: OnceLock<mpsc::UnboundedSender<ScoreRequest>>,
+}
+
+/// Score batches in flight at once in one process.
+const SCORE_BATCHES: usize = 2;
+
+/// A score job waiting for its batch. Every job of one process is in the same database,
+/// so a batch runs on the pool of its first job.
+struct ScoreRequest {
+    pool: PgPool,
+    lease: Lease,
+    delivery_id: Uuid,
+    reply: oneshot::Sender<Result<(), PipelineError>>,
+}
+
+impl ScoreHandler {
+    pub fn new(config: Arc<Config>, scorer: Arc<dyn Scorer>) -> Self {
+        Self { config, scorer, batches: OnceLock::new() }
+    }
+
+    fn batches(&self) -> &mpsc::UnboundedSender<ScoreRequest> {
+        self.batches.get_or_init(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            tokio::spawn(score_batches(self.config.clone(), self.scorer.clone(), rx));
+            tx
+        })
+    }
+}
+
+/// Gathers score jobs into batches, up to [`SCORE_BATCHES`] at once; ends when the
+/// handler is gone and every batch has answered.
+async fn score_batches(config: Arc<Config>, scorer: Arc<dyn Scorer>, mut rx: mpsc::UnboundedReceiver<ScoreRequest>) {
+    let mut running: JoinSet<()> = JoinSet::new();
+    let mut open = true;
+    while open || !running.is_empty() {
+        tokio::select! {
+            first = rx.recv(), if open && running.len() < SCORE_BATCHES => {
+                let Some(first) = first else {
+                    open = false;
+                    continue;
+                };
+                let mut batch = vec![first];
+                while batch.len() < pipeline::MAX_SCORE_BATCH {
+                    match rx.try_recv() {
+                        Ok(r) => batch.push(r),
+                        Err(_) => break,
+                    }
+                }
+                let (config, scorer) = (config.clone(), scorer.clone());
+                running.spawn(async move {
+                    let items: Vec<(Lease, Uuid)> = batch.iter().map(|r| (r.lease, r.delivery_id)).collect();
+                    let results = pipeline::score_many(&batch[0].pool, &config, scorer.as_ref(), &items).await;
+                    for (r, result) in batch.into_iter().zip(results) {
+                        let _ = r.reply.send(result);
+                    }
+                });
+            }
+            Some(_) = running.join_next() => {}
+        }
+    }
 }
 
 impl Handler for ScoreHandler {
     fn run(&self, ctx: JobContext) -> BoxFuture<'static, Result<Outcome, HandlerError>> {
-        let config = self.config.clone();
-        let scorer = self.scorer.clone();
+        let batches = self.batches().clone();
         Box::pin(async move {
-            let id = delivery_id(&ctx)?;
-            match pipeline::score(&ctx.pool, &config, scorer.as_ref(), ctx.lease(), id).await {
+            let delivery_id = delivery_id(&ctx)?;
+            let (reply, answer) = oneshot::channel();
+            let request = ScoreRequest { pool: ctx.pool.clone(), lease: ctx.lease(), delivery_id, reply };
+            batches.send(request).map_err(|_| HandlerError::retry("the scorer has stopped"))?;
+            let result = answer.await.map_err(|_| HandlerError::retry("the scorer has stopped"))?;
+            match result {
                 Ok(()) => {
                     let _ = fault::hit("score.after_commit").await;
                     Ok(Outcome::Finalized)

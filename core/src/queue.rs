@@ -559,6 +559,15 @@ pub const MARK_EFFECT_STARTED_SQL: &str = r#"UPDATE jobs SET effect_started_at =
 pub const COMPLETE_HELD_SQL: &str =
     concat!("UPDATE jobs SET ", completed!(), " WHERE id = $1 AND attempt = $2 AND state = 'running'");
 
+/// [`MARK_EFFECT_STARTED_SQL`] for the held jobs whose ids and attempts are the arrays `$1`
+/// and `$2`, locking them in id order first; the first part of a larger statement (add
+/// `RETURNING j.id` to tell which held).
+pub const MARK_MANY_EFFECT_STARTED_SQL: &str = concat!(
+    "UPDATE jobs j SET effect_started_at = now() FROM ",
+    held_in_id_order!("$1", "$2"),
+    " WHERE j.id = held.id AND j.state = 'running' AND j.lease_expires_at > now()"
+);
+
 /// Completes a held job.
 pub async fn complete(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), QueueError> {
     let r = sqlx::query(COMPLETE_HELD_SQL).bind(lease.id).bind(lease.attempt).execute(db).await?;

@@ -807,3 +807,130 @@ async fn smtp_connections_are_reused_and_a_closed_one_is_replaced(pool: PgPool) 
     stop.cancel();
     worker.await.unwrap().unwrap();
 }
+
+/// Sends started and recorded together share one transaction A and one transaction B, with
+/// the same writes as one by one: an attempt, a start event, then a receipt, a closed
+/// attempt, a completed job and a sent delivery each. A batch with a lease that is not held
+/// (or a delivery no longer approved) is decided one send at a time: nothing is written
+/// under the lost lease, the cancelled delivery is not started, the others go through.
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn sends_started_and_recorded_together_write_what_one_by_one_would(pool: PgPool) {
+    use airlock_core::channels::EffectOutcome;
+    use airlock_core::delivery::pipeline::{self, PipelineError, SendOutcome, SendStart};
+    use airlock_core::delivery::store::{self, Actor};
+    use airlock_core::queue::{Lease, QueueError};
+    use uuid::Uuid;
+
+    let app = TestApp::start(pool, &[]).await;
+    let (stop, worker) = app.start_worker("w-score");
+    let run = app.create_run(0).await;
+    let mut ids = Vec::new();
+    for i in 0..7 {
+        let id = app.submit(TestApp::email(&run, &format!("t{i}"), "Together")).await;
+        app.wait_state(&id, DeliveryState::AwaitingApproval, WAIT).await;
+        ids.push(id);
+    }
+    stop.cancel();
+    worker.await.unwrap().unwrap();
+    for id in &ids {
+        app.approve(id).await;
+    }
+    app.set_switch(true).await;
+    let sends = ClaimFilter { queues: Some(vec!["send".into()]) };
+    let claim = |n: i64| {
+        let app = &app;
+        let sends = &sends;
+        async move {
+            let jobs = queue::claim_batch(&app.pool, "probe", sends, n, Duration::from_secs(60)).await.unwrap();
+            assert_eq!(jobs.len() as i64, n);
+            jobs.iter()
+                .map(|j| (j.lease(), Uuid::parse_str(j.payload["delivery_id"].as_str().unwrap()).unwrap()))
+                .collect::<Vec<(Lease, Uuid)>>()
+        }
+    };
+    let transactions = |table: &'static str, ids: Vec<Uuid>| {
+        let app = &app;
+        async move {
+            let sql = format!("SELECT count(DISTINCT xmin::text) FROM {table} WHERE delivery_id = ANY ($1)");
+            let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).bind(&ids).fetch_one(&app.pool).await.unwrap();
+            n
+        }
+    };
+    let story = |id: Uuid| {
+        let app = &app;
+        async move {
+            let row: (String, i64, i64, i64) = sqlx::query_as(
+                r#"SELECT (SELECT state::text FROM deliveries WHERE id = $1),
+                          (SELECT count(*) FROM send_attempts WHERE delivery_id = $1),
+                          (SELECT count(*) FROM send_attempts WHERE delivery_id = $1 AND outcome = 'sent'),
+                          (SELECT count(*) FROM receipts WHERE delivery_id = $1)"#,
+            )
+            .bind(id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+            assert_eq!(store::verify_chain(id, &store::events(&app.pool, id).await.unwrap()), None);
+            row
+        }
+    };
+    let sent = |lease: Lease, start: SendStart| {
+        let SendStart::Started { delivery, attempt_id, .. } = start else {
+            panic!("started: {start:?}");
+        };
+        let message_id = format!("<{}@example.com>", delivery.id);
+        SendOutcome {
+            lease,
+            delivery,
+            attempt_id,
+            outcome: EffectOutcome::Sent { message_id: Some(message_id), response: "250 ok".into() },
+        }
+    };
+
+    // Four sends together: one transaction A, one transaction B.
+    let items = claim(4).await;
+    let ids4: Vec<Uuid> = items.iter().map(|(_, id)| *id).collect();
+    let starts = pipeline::begin_send_many(&app.pool, &app.config, "probe", &items).await;
+    assert_eq!(transactions("send_attempts", ids4.clone()).await, 1);
+    let outcomes: Vec<SendOutcome> =
+        items.iter().zip(starts).map(|((lease, _), start)| sent(*lease, start.unwrap())).collect();
+    for id in &ids4 {
+        assert_eq!(story(*id).await, ("sending".into(), 1, 0, 0));
+    }
+    let recorded = pipeline::record_sent_many(&app.pool, "probe", &outcomes).await;
+    assert!(recorded.iter().all(|r| matches!(r, Ok(DeliveryState::Sent))), "{recorded:?}");
+    assert_eq!(transactions("receipts", ids4.clone()).await, 1);
+    for id in &ids4 {
+        assert_eq!(story(*id).await, ("sent".into(), 1, 1, 1));
+    }
+
+    // Three more: one lease lost, one delivery cancelled meanwhile.
+    let mut items = claim(3).await;
+    items[0].0.attempt += 1;
+    let d = store::get(&app.pool, items[1].1).await.unwrap().unwrap();
+    let mut tx = app.pool.begin().await.unwrap();
+    store::transition(
+        &mut tx,
+        &d,
+        airlock_core::delivery::state::Action::Cancel,
+        &Actor::system("test"),
+        Some("x"),
+        json!({}),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let mut starts = pipeline::begin_send_many(&app.pool, &app.config, "probe", &items).await.into_iter();
+    let lost = starts.next().unwrap();
+    assert!(matches!(lost, Err(PipelineError::Queue(QueueError::LeaseLost { .. }))), "{lost:?}");
+    assert!(matches!(starts.next().unwrap(), Ok(SendStart::Nothing)));
+    let third = sent(items[2].0, starts.next().unwrap().unwrap());
+    assert_eq!(story(items[0].1).await, ("approved".into(), 0, 0, 0), "nothing under the lost lease");
+    assert_eq!(story(items[1].1).await, ("cancelled".into(), 0, 0, 0));
+
+    // Recording with a lost lease among them: one by one, nothing for the lost one.
+    let ghost = SendOutcome { lease: Lease { id: third.lease.id, attempt: third.lease.attempt + 1 }, ..third.clone() };
+    let recorded = pipeline::record_sent_many(&app.pool, "probe", &[ghost, third.clone()]).await;
+    assert!(matches!(recorded[0], Err(PipelineError::Queue(QueueError::LeaseLost { .. }))), "{recorded:?}");
+    assert!(matches!(recorded[1], Ok(DeliveryState::Sent)), "{recorded:?}");
+    assert_eq!(story(items[2].1).await, ("sent".into(), 1, 1, 1));
+}

@@ -38,10 +38,7 @@ pub fn registry_with(cfg: &Arc<Config>, worker_id: &str, webhook_secret: Option<
             webhook_secret.ok_or_else(|| WebhookSetupError::MissingSecret(cfg.delivery.webhook_secret_env.clone()))?;
         Some(WebhookSender::new(secret, Duration::from_secs(cfg.delivery.webhook_timeout_seconds.max(1)))?)
     };
-    r.register(
-        SEND_JOB,
-        SendHandler { config: cfg.clone(), worker_id: worker_id.to_string(), smtp: Some(smtp), webhook },
-    );
+    r.register(SEND_JOB, SendHandler::new(cfg.clone(), worker_id.to_string(), Some(smtp), webhook));
     crate::sandbox::register(&mut r, cfg, worker_id);
     crate::migrate::register(&mut r, cfg, worker_id)?;
     if cfg.worker.diagnostic_jobs {

@@ -5,23 +5,23 @@
 //! point that errors between them leaves the job as a crash would: held until its lease
 //! expires, then settled by the rescuer.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use airlock_core::artifact::Artifact;
 use airlock_core::channels::EffectOutcome;
 use airlock_core::channels::email::{SmtpSender, build_message};
 use airlock_core::channels::webhook::WebhookSender;
 use airlock_core::config::Config;
-use airlock_core::delivery::pipeline::{self, PipelineError, SendStart};
+use airlock_core::delivery::pipeline::{self, PipelineError, SendOutcome, SendStart};
+use airlock_core::delivery::state::DeliveryState;
 use airlock_core::fault;
 use airlock_core::policy;
 use airlock_core::queue::{self, Lease, Rescued};
 use airlock_core::scoring::Scorer;
 use sqlx::{PgPool, Postgres, Transaction};
-use tokio::sync::{mpsc, oneshot};
-use tokio::task::JoinSet;
 use uuid::Uuid;
 
+use crate::batch::{BatchFn, Batcher};
 use crate::handler::{BoxFuture, Handler, HandlerError, JobContext, Outcome};
 
 fn delivery_id(ctx: &JobContext) -> Result<Uuid, HandlerError> {
@@ -41,82 +41,35 @@ fn retry(e: PipelineError) -> HandlerError {
 }
 
 /// Scores persisted deliveries. The score jobs this process runs at the same time are
-/// scored together, in one transaction (see [`pipeline::score_many`]): a batch takes what
-/// is waiting when a batch slot frees up, so a job that comes alone is scored at once.
+/// scored together, in one transaction (see [`pipeline::score_many`] and [`Batcher`]).
 pub struct ScoreHandler {
-    config: Arc<Config>,
-    scorer: Arc<dyn Scorer>,
-    batches: OnceLock<mpsc::UnboundedSender<ScoreRequest>>,
+    scores: Batcher<(PgPool, Lease, Uuid), Result<(), PipelineError>>,
 }
 
-/// Score batches in flight at once in one process.
-const SCORE_BATCHES: usize = 2;
-
-/// A score job waiting for its batch. Every job of one process is in the same database,
-/// so a batch runs on the pool of its first job.
-struct ScoreRequest {
-    pool: PgPool,
-    lease: Lease,
-    delivery_id: Uuid,
-    reply: oneshot::Sender<Result<(), PipelineError>>,
-}
+/// Batches of one kind in flight at once in one process.
+const BATCHES: usize = 2;
 
 impl ScoreHandler {
     pub fn new(config: Arc<Config>, scorer: Arc<dyn Scorer>) -> Self {
-        Self { config, scorer, batches: OnceLock::new() }
-    }
-
-    fn batches(&self) -> &mpsc::UnboundedSender<ScoreRequest> {
-        self.batches.get_or_init(|| {
-            let (tx, rx) = mpsc::unbounded_channel();
-            tokio::spawn(score_batches(self.config.clone(), self.scorer.clone(), rx));
-            tx
-        })
-    }
-}
-
-/// Gathers score jobs into batches, up to [`SCORE_BATCHES`] at once; ends when the
-/// handler is gone and every batch has answered.
-async fn score_batches(config: Arc<Config>, scorer: Arc<dyn Scorer>, mut rx: mpsc::UnboundedReceiver<ScoreRequest>) {
-    let mut running: JoinSet<()> = JoinSet::new();
-    let mut open = true;
-    while open || !running.is_empty() {
-        tokio::select! {
-            first = rx.recv(), if open && running.len() < SCORE_BATCHES => {
-                let Some(first) = first else {
-                    open = false;
-                    continue;
-                };
-                let mut batch = vec![first];
-                while batch.len() < pipeline::MAX_SCORE_BATCH {
-                    match rx.try_recv() {
-                        Ok(r) => batch.push(r),
-                        Err(_) => break,
-                    }
-                }
-                let (config, scorer) = (config.clone(), scorer.clone());
-                running.spawn(async move {
-                    let items: Vec<(Lease, Uuid)> = batch.iter().map(|r| (r.lease, r.delivery_id)).collect();
-                    let results = pipeline::score_many(&batch[0].pool, &config, scorer.as_ref(), &items).await;
-                    for (r, result) in batch.into_iter().zip(results) {
-                        let _ = r.reply.send(result);
-                    }
-                });
-            }
-            Some(_) = running.join_next() => {}
-        }
+        // Every job of one process is in the same database: a batch runs on the pool of
+        // its first job.
+        let serve: BatchFn<(PgPool, Lease, Uuid), Result<(), PipelineError>> = Arc::new(move |batch| {
+            let (config, scorer) = (config.clone(), scorer.clone());
+            Box::pin(async move {
+                let items: Vec<(Lease, Uuid)> = batch.iter().map(|(_, lease, id)| (*lease, *id)).collect();
+                pipeline::score_many(&batch[0].0, &config, scorer.as_ref(), &items).await
+            })
+        });
+        Self { scores: Batcher::new(pipeline::MAX_SCORE_BATCH, BATCHES, serve) }
     }
 }
 
 impl Handler for ScoreHandler {
     fn run(&self, ctx: JobContext) -> BoxFuture<'static, Result<Outcome, HandlerError>> {
-        let batches = self.batches().clone();
+        let scores = self.scores.sender();
         Box::pin(async move {
-            let delivery_id = delivery_id(&ctx)?;
-            let (reply, answer) = oneshot::channel();
-            let request = ScoreRequest { pool: ctx.pool.clone(), lease: ctx.lease(), delivery_id, reply };
-            batches.send(request).map_err(|_| HandlerError::retry("the scorer has stopped"))?;
-            let result = answer.await.map_err(|_| HandlerError::retry("the scorer has stopped"))?;
+            let id = delivery_id(&ctx)?;
+            let result = scores.call((ctx.pool.clone(), ctx.lease(), id)).await.ok_or_else(stopped)?;
             match result {
                 Ok(()) => {
                     let _ = fault::hit("score.after_commit").await;
@@ -129,24 +82,65 @@ impl Handler for ScoreHandler {
     }
 }
 
-/// Sends approved deliveries.
+fn stopped() -> HandlerError {
+    HandlerError::retry("the batcher stopped before answering")
+}
+
+/// Sends approved deliveries. The transactions A and B of the sends this process runs at
+/// the same time are shared (see [`pipeline::begin_send_many`], [`pipeline::record_sent_many`]).
 pub struct SendHandler {
-    pub config: Arc<Config>,
-    pub worker_id: String,
-    pub smtp: Option<SmtpSender>,
-    pub webhook: Option<WebhookSender>,
+    worker_id: String,
+    smtp: Option<SmtpSender>,
+    webhook: Option<WebhookSender>,
+    starts: Batcher<(PgPool, Lease, Uuid), Result<SendStart, PipelineError>>,
+    records: Batcher<(PgPool, SendOutcome), Result<DeliveryState, PipelineError>>,
+}
+
+impl SendHandler {
+    pub fn new(
+        config: Arc<Config>,
+        worker_id: String,
+        smtp: Option<SmtpSender>,
+        webhook: Option<WebhookSender>,
+    ) -> Self {
+        let worker = worker_id.clone();
+        let start: BatchFn<(PgPool, Lease, Uuid), Result<SendStart, PipelineError>> = Arc::new(move |batch| {
+            let (cfg, worker) = (config.clone(), worker.clone());
+            Box::pin(async move {
+                let items: Vec<(Lease, Uuid)> = batch.iter().map(|(_, lease, id)| (*lease, *id)).collect();
+                pipeline::begin_send_many(&batch[0].0, &cfg, &worker, &items).await
+            })
+        });
+        let worker = worker_id.clone();
+        let record: BatchFn<(PgPool, SendOutcome), Result<DeliveryState, PipelineError>> = Arc::new(move |batch| {
+            let worker = worker.clone();
+            Box::pin(async move {
+                let pool = batch[0].0.clone();
+                let items: Vec<SendOutcome> = batch.into_iter().map(|(_, s)| s).collect();
+                pipeline::record_sent_many(&pool, &worker, &items).await
+            })
+        });
+        Self {
+            worker_id,
+            smtp,
+            webhook,
+            starts: Batcher::new(pipeline::MAX_SEND_BATCH, BATCHES, start),
+            records: Batcher::new(pipeline::MAX_SEND_BATCH, BATCHES, record),
+        }
+    }
 }
 
 impl Handler for SendHandler {
     fn run(&self, ctx: JobContext) -> BoxFuture<'static, Result<Outcome, HandlerError>> {
-        let config = self.config.clone();
         let worker = self.worker_id.clone();
         let smtp = self.smtp.clone();
         let webhook = self.webhook.clone();
+        let (starts, records) = (self.starts.sender(), self.records.sender());
         Box::pin(async move {
             let id = delivery_id(&ctx)?;
             let lease = ctx.lease();
-            let (d, artifact, attempt_id) = match pipeline::begin_send(&ctx.pool, &config, lease, &worker, id).await {
+            let start = starts.call((ctx.pool.clone(), lease, id)).await.ok_or_else(stopped)?;
+            let (d, artifact, attempt_id) = match start {
                 Ok(SendStart::Started { delivery, artifact, attempt_id }) => (delivery, artifact, attempt_id),
                 // Waits in the paused queue until the switch is on again.
                 Ok(SendStart::SwitchOff) => return Ok(Outcome::Snooze(std::time::Duration::from_secs(1))),
@@ -211,9 +205,31 @@ impl Handler for SendHandler {
             if fault::hit("send.after_effect").await.is_err() {
                 return Ok(Outcome::Finalized);
             }
-            match pipeline::record_outcome_until_done(&ctx.pool, lease, &worker, &d, attempt_id, &outcome, &ctx.cancel)
-                .await
-            {
+            // A sent outcome is recorded together with the others being recorded at the time;
+            // any other outcome, or a database error, goes through the retrying path alone.
+            let together = match &outcome {
+                EffectOutcome::Sent { .. } => {
+                    let s = SendOutcome { lease, delivery: d.clone(), attempt_id, outcome: outcome.clone() };
+                    records.call((ctx.pool.clone(), s)).await
+                }
+                _ => None,
+            };
+            let recorded = match together {
+                Some(Err(PipelineError::Db(_))) | None => {
+                    pipeline::record_outcome_until_done(
+                        &ctx.pool,
+                        lease,
+                        &worker,
+                        &d,
+                        attempt_id,
+                        &outcome,
+                        &ctx.cancel,
+                    )
+                    .await
+                }
+                Some(done) => done,
+            };
+            match recorded {
                 Ok(state) => tracing::info!(delivery.id = %d.id, state = state.as_str(), "send recorded"),
                 Err(e) => {
                     // The lease is gone: the rescuer has settled (or will settle) the delivery.

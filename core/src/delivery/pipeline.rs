@@ -863,6 +863,213 @@ pub async fn begin_send(
     Ok(SendStart::Started { delivery, artifact, attempt_id })
 }
 
+/// The most sends [`begin_send_many`] or [`record_sent_many`] take in one transaction.
+pub const MAX_SEND_BATCH: usize = 32;
+
+/// [`begin_send`] for several sends, each under its own job's lease: one transaction A for
+/// all of them in the common case (the switch on, every delivery approved as it stands and
+/// allowed by policy, every lease held), else one [`begin_send`] each, which decides every
+/// other case. Results are in input order.
+pub async fn begin_send_many(
+    pool: &PgPool,
+    cfg: &Config,
+    worker: &str,
+    items: &[(Lease, Uuid)],
+) -> Vec<Result<SendStart, PipelineError>> {
+    if items.len() > 1 {
+        match begin_sends_together(pool, cfg, worker, items).await {
+            Ok(Some(started)) => return started.into_iter().map(Ok).collect(),
+            Ok(None) => tracing::debug!(jobs = items.len(), "sends not started together; one by one"),
+            // The COMMIT failed, or its answer was lost: the attempts may be on record, so
+            // starting them again one by one could send twice. Each caller gets the error, as
+            // from its own transaction A, and checks its job before retrying.
+            Err(e) => {
+                let e = e.to_string();
+                return items
+                    .iter()
+                    .map(|_| Err(PipelineError::Db(sqlx::Error::Io(std::io::Error::other(e.clone())))))
+                    .collect();
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(items.len());
+    for (lease, id) in items {
+        out.push(begin_send(pool, cfg, *lease, worker, *id).await);
+    }
+    out
+}
+
+/// The one transaction A of [`begin_send_many`]: `None` when nothing was committed (outside
+/// the common case, or a failure before the COMMIT); an error only from the COMMIT itself.
+async fn begin_sends_together(
+    pool: &PgPool,
+    cfg: &Config,
+    worker: &str,
+    items: &[(Lease, Uuid)],
+) -> Result<Option<Vec<SendStart>>, PipelineError> {
+    let Ok(mut tx) = pool.begin().await else {
+        return Ok(None);
+    };
+    match start_in(&mut tx, cfg, worker, items).await {
+        Ok(Some(started)) => {
+            tx.commit().await?;
+            Ok(Some(started))
+        }
+        Ok(None) => Ok(None),
+        Err(e) => {
+            tracing::debug!(jobs = items.len(), error = %e, "starting sends together failed");
+            Ok(None)
+        }
+    }
+}
+
+/// The checks and writes of [`begin_sends_together`], in its transaction.
+async fn start_in(
+    tx: &mut Transaction<'_, Postgres>,
+    cfg: &Config,
+    worker: &str,
+    items: &[(Lease, Uuid)],
+) -> Result<Option<Vec<SendStart>>, PipelineError> {
+    let ids: Vec<Uuid> = items.iter().map(|(_, id)| *id).collect();
+    let mut reads: std::collections::HashMap<Uuid, store::ForSend> =
+        store::read_for_send_many(&mut **tx, &ids).await?.into_iter().map(|r| (r.delivery.id, r)).collect();
+    let mut ready = Vec::with_capacity(items.len());
+    for (lease, id) in items {
+        let Some(read) = reads.remove(id) else {
+            return Ok(None);
+        };
+        let d = read.delivery;
+        if !read.send_enabled
+            || d.state != DeliveryState::Approved
+            || read.approved_sha256.as_deref() != Some(d.artifact_sha256.as_str())
+        {
+            return Ok(None);
+        }
+        let artifact = Artifact::from_json(&read.artifact_body, &stored_limits())?;
+        if check_policy(cfg, &artifact).is_err() {
+            return Ok(None);
+        }
+        ready.push((*lease, d, artifact, Uuid::now_v7()));
+    }
+    let attempts: Vec<store::NewAttempt> = ready
+        .iter()
+        .map(|(lease, d, _, attempt_id)| store::NewAttempt {
+            id: *attempt_id,
+            delivery_id: d.id,
+            lease: *lease,
+            artifact_sha256: &d.artifact_sha256,
+        })
+        .collect();
+    if store::start_attempts(&mut **tx, worker, &attempts).await? != attempts.len() {
+        return Ok(None);
+    }
+    let actor = Actor::new("worker", worker);
+    let steps: Vec<[Step; 1]> = ready
+        .iter()
+        .map(|(lease, _, _, attempt_id)| {
+            [Step {
+                action: Action::StartSend,
+                actor: &actor,
+                reason: None,
+                data: json!({"attempt_id": attempt_id, "job_attempt": lease.attempt}),
+            }]
+        })
+        .collect();
+    let moves: Vec<(&Delivery, &[Step])> =
+        ready.iter().zip(&steps).map(|((_, d, _, _), s)| (d, s.as_slice())).collect();
+    let moved = store::advance_many(tx, &moves).await?;
+    Ok(Some(
+        moved
+            .into_iter()
+            .zip(ready)
+            .map(|(delivery, (_, _, artifact, attempt_id))| SendStart::Started { delivery, artifact, attempt_id })
+            .collect(),
+    ))
+}
+
+/// One send whose outcome is to be recorded: as [`record_outcome`] takes it.
+#[derive(Debug, Clone)]
+pub struct SendOutcome {
+    pub lease: Lease,
+    pub delivery: Delivery,
+    pub attempt_id: Uuid,
+    pub outcome: EffectOutcome,
+}
+
+/// [`record_outcome`] for several sends: one transaction B for all of them when every one
+/// went out and every lease is still held, else one [`record_outcome`] each. Results are
+/// in input order.
+pub async fn record_sent_many(
+    pool: &PgPool,
+    worker: &str,
+    items: &[SendOutcome],
+) -> Vec<Result<DeliveryState, PipelineError>> {
+    if items.len() > 1 {
+        match record_sent_together(pool, worker, items).await {
+            Ok(true) => return items.iter().map(|_| Ok(DeliveryState::Sent)).collect(),
+            Ok(false) => tracing::debug!(jobs = items.len(), "outcomes not recorded together; one by one"),
+            Err(e) => tracing::debug!(jobs = items.len(), error = %e, "recording outcomes together failed; one by one"),
+        }
+    }
+    let mut out = Vec::with_capacity(items.len());
+    for s in items {
+        out.push(record_outcome(pool, s.lease, worker, &s.delivery, s.attempt_id, &s.outcome).await);
+    }
+    out
+}
+
+/// The one transaction B of [`record_sent_many`]; false (nothing committed) unless every
+/// send went out and every lease held.
+async fn record_sent_together(pool: &PgPool, worker: &str, items: &[SendOutcome]) -> Result<bool, PipelineError> {
+    let mut sent = Vec::with_capacity(items.len());
+    for s in items {
+        let EffectOutcome::Sent { message_id, response } = &s.outcome else {
+            return Ok(false);
+        };
+        let receipt = NewReceipt {
+            delivery_id: s.delivery.id,
+            attempt_id: Some(s.attempt_id),
+            channel: s.delivery.channel,
+            message_id: message_id.as_deref(),
+            provider_response: Some(response),
+            payload_sha256: &s.delivery.artifact_sha256,
+            attempt: s.lease.attempt,
+            worker: Some(worker),
+            attested_by: None,
+        };
+        sent.push((s.lease, receipt, s.outcome.detail()));
+    }
+    // Jobs first, then deliveries, as one transaction B at a time takes them.
+    let mut tx = pool.begin().await?;
+    if store::complete_sent_many(&mut *tx, &sent).await? != sent.len() {
+        return Ok(false);
+    }
+    let actor = Actor::new("worker", worker);
+    let mut by_id: Vec<&SendOutcome> = items.iter().collect();
+    by_id.sort_by_key(|s| s.delivery.id);
+    let steps: Vec<[Step; 1]> = by_id
+        .iter()
+        .map(|s| {
+            [Step {
+                action: Action::ConfirmSent,
+                actor: &actor,
+                reason: None,
+                data: json!({"attempt_id": s.attempt_id}),
+            }]
+        })
+        .collect();
+    let moves: Vec<(&Delivery, &[Step])> =
+        by_id.iter().zip(&steps).map(|(s, st)| (&s.delivery, st.as_slice())).collect();
+    store::advance_many(&mut tx, &moves).await?;
+    tx.commit().await?;
+    for s in items {
+        metrics::counter!(crate::metrics::SEND_ATTEMPTS, "channel" => s.delivery.channel.as_str(), "outcome" => s.outcome.label())
+            .increment(1);
+        metrics::counter!(crate::metrics::RECEIPTS, "channel" => s.delivery.channel.as_str()).increment(1);
+    }
+    Ok(true)
+}
+
 /// Transaction B of a send: the attempt's outcome, the receipt and the job's end,
 /// together. Fenced on the lease: a holder that lost it changes nothing.
 pub async fn record_outcome(

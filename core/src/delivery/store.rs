@@ -341,6 +341,23 @@ pub async fn read_for_send(db: impl PgExecutor<'_>, id: Uuid) -> Result<Option<F
     .await
 }
 
+/// [`read_for_send`] for several deliveries, locked in id order; those that do not exist
+/// are left out.
+pub async fn read_for_send_many(db: impl PgExecutor<'_>, ids: &[Uuid]) -> Result<Vec<ForSend>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT s.send_enabled, d.*, a.body AS artifact_body,
+                  (SELECT p.artifact_sha256 FROM approvals p WHERE p.delivery_id = d.id
+                   ORDER BY p.created_at DESC, p.id DESC LIMIT 1) AS approved_sha256
+           FROM settings s CROSS JOIN deliveries d JOIN artifacts a ON a.sha256 = d.artifact_sha256
+           WHERE s.id = 1 AND d.id = ANY ($1)
+           ORDER BY d.id
+           FOR SHARE OF s FOR UPDATE OF d"#,
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await
+}
+
 /// One move of a delivery: the action, who takes it, why, and what its event carries.
 #[derive(Debug, Clone)]
 pub struct Step<'a> {
@@ -805,6 +822,47 @@ pub async fn start_attempt(
         .await
 }
 
+/// One attempt to start: the delivery, the lease its send job is held under, the id the
+/// attempt gets and the artifact it sends.
+#[derive(Debug, Clone)]
+pub struct NewAttempt<'a> {
+    pub id: Uuid,
+    pub delivery_id: Uuid,
+    pub lease: Lease,
+    pub artifact_sha256: &'a str,
+}
+
+/// [`start_attempt`] for several sends in one statement (their jobs locked in id order);
+/// returns how many leases held: only those jobs are marked and their attempts recorded.
+pub async fn start_attempts(
+    db: impl PgExecutor<'_>,
+    worker: &str,
+    attempts: &[NewAttempt<'_>],
+) -> Result<usize, sqlx::Error> {
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            r#"WITH held AS ({} RETURNING j.id)
+               INSERT INTO send_attempts (id, delivery_id, job_id, lease_attempt, worker, artifact_sha256)
+               SELECT t.id, t.delivery_id, t.job_id, t.attempt, $6, t.sha
+               FROM unnest($3::uuid[], $4::uuid[], $1::uuid[], $2::int4[], $5::text[])
+                    AS t (id, delivery_id, job_id, attempt, sha)
+               JOIN held ON held.id = t.job_id
+               RETURNING id"#,
+            queue::MARK_MANY_EFFECT_STARTED_SQL
+        )
+    });
+    let started: Vec<Uuid> = sqlx::query_scalar(sqlx::AssertSqlSafe(SQL.as_str()))
+        .bind(attempts.iter().map(|a| a.lease.id).collect::<Vec<_>>())
+        .bind(attempts.iter().map(|a| a.lease.attempt).collect::<Vec<_>>())
+        .bind(attempts.iter().map(|a| a.id).collect::<Vec<_>>())
+        .bind(attempts.iter().map(|a| a.delivery_id).collect::<Vec<_>>())
+        .bind(attempts.iter().map(|a| a.artifact_sha256).collect::<Vec<_>>())
+        .bind(worker)
+        .fetch_all(db)
+        .await?;
+    Ok(started.len())
+}
+
 /// Transaction B's writes after a send that went out: completes the job held under
 /// `lease`, records the receipt and closes the attempt, in one statement. False when the
 /// lease is not held; nothing is written then.
@@ -845,6 +903,53 @@ pub async fn complete_sent(
         .fetch_one(db)
         .await?;
     Ok(done == 1)
+}
+
+/// [`complete_sent`] for several sends in one statement (their jobs locked in id order),
+/// each with its receipt and the detail its attempt closes with; returns how many leases
+/// held: only those jobs are completed, their receipts recorded and attempts closed.
+pub async fn complete_sent_many(
+    db: impl PgExecutor<'_>,
+    sent: &[(Lease, NewReceipt<'_>, &str)],
+) -> Result<usize, sqlx::Error> {
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            r#"WITH done AS ({}),
+               sent AS (
+                   SELECT t.* FROM unnest($1::uuid[], $3::uuid[], $4::uuid[], $5::uuid[], $6::channel[], $7::text[],
+                                          $8::text[], $9::text[], $10::int4[], $11::text[], $12::text[], $13::text[])
+                        AS t (job_id, id, delivery_id, attempt_id, channel, message_id, provider_response,
+                              payload_sha256, attempt, worker, attested_by, detail)
+                   JOIN done ON done.id = t.job_id),
+               receipt AS (
+                   INSERT INTO receipts (id, delivery_id, attempt_id, channel, message_id, provider_response,
+                                         payload_sha256, attempt, worker, attested_by)
+                   SELECT id, delivery_id, attempt_id, channel, message_id, provider_response, payload_sha256,
+                          attempt, worker, attested_by FROM sent),
+               attempt AS (
+                   UPDATE send_attempts a SET outcome = 'sent', detail = sent.detail, finished_at = now()
+                   FROM sent WHERE a.id = sent.attempt_id AND a.outcome IS NULL)
+               SELECT count(*) FROM done"#,
+            queue::complete_many_sql()
+        )
+    });
+    let done: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(SQL.as_str()))
+        .bind(sent.iter().map(|(l, _, _)| l.id).collect::<Vec<_>>())
+        .bind(sent.iter().map(|(l, _, _)| l.attempt).collect::<Vec<_>>())
+        .bind(sent.iter().map(|_| Uuid::now_v7()).collect::<Vec<_>>())
+        .bind(sent.iter().map(|(_, r, _)| r.delivery_id).collect::<Vec<_>>())
+        .bind(sent.iter().map(|(_, r, _)| r.attempt_id).collect::<Vec<_>>())
+        .bind(sent.iter().map(|(_, r, _)| r.channel).collect::<Vec<_>>())
+        .bind(sent.iter().map(|(_, r, _)| r.message_id).collect::<Vec<_>>())
+        .bind(sent.iter().map(|(_, r, _)| r.provider_response).collect::<Vec<_>>())
+        .bind(sent.iter().map(|(_, r, _)| r.payload_sha256).collect::<Vec<_>>())
+        .bind(sent.iter().map(|(_, r, _)| r.attempt).collect::<Vec<_>>())
+        .bind(sent.iter().map(|(_, r, _)| r.worker).collect::<Vec<_>>())
+        .bind(sent.iter().map(|(_, r, _)| r.attested_by).collect::<Vec<_>>())
+        .bind(sent.iter().map(|(_, _, detail)| *detail).collect::<Vec<_>>())
+        .fetch_one(db)
+        .await?;
+    Ok(done as usize)
 }
 
 /// Sets the outcome of an attempt that has none yet.

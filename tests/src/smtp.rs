@@ -504,9 +504,15 @@ impl SmtpServer {
     /// Waits until at least `n` messages are accepted or the timeout elapses; returns
     /// [`SmtpServer::accepted`] either way.
     pub async fn wait_for(&self, n: usize, timeout: Duration) -> Vec<Received> {
+        self.wait_after(0, n, timeout).await
+    }
+
+    /// Like [`SmtpServer::wait_for`], but returns only the messages accepted after the
+    /// first `skip` (a reader that keeps up copies each message once).
+    pub async fn wait_after(&self, skip: usize, n: usize, timeout: Duration) -> Vec<Received> {
         let mut count = self.shared.accepted_count.subscribe();
         let _ = tokio::time::timeout(timeout, count.wait_for(|accepted| *accepted >= n)).await;
-        self.accepted()
+        lock(&self.shared.accepted).iter().skip(skip).cloned().collect()
     }
 
     /// Count of accepted messages per Message-ID, for "no message accepted twice".

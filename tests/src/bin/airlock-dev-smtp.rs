@@ -28,8 +28,8 @@ async fn main() -> anyhow::Result<()> {
     );
     let mut written = 0;
     loop {
-        let all = server.wait_for(written + 1, Duration::from_secs(3600)).await;
-        for m in all.iter().skip(written) {
+        let new = server.wait_after(written, written + 1, Duration::from_secs(3600)).await;
+        for m in &new {
             written += 1;
             let path = dir.join("mail").join(format!("{written:05}.eml"));
             std::fs::write(&path, &m.data)?;

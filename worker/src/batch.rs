@@ -3,6 +3,7 @@
 //! frees up, so a request that comes alone is served at once, and under load the batches
 //! grow by themselves (up to `max`).
 
+use std::future::Future;
 use std::sync::{Arc, OnceLock};
 
 use tokio::sync::{mpsc, oneshot};
@@ -15,6 +16,9 @@ pub type BatchFn<T, R> = Arc<dyn Fn(Vec<T>) -> BoxFuture<'static, Vec<R>> + Send
 
 type Request<T, R> = (T, oneshot::Sender<R>);
 
+/// Requests waiting for a batch, at most, before a caller waits to hand its own over.
+const WAITING: usize = 1024;
+
 /// A batching front for `serve`, with up to `parallel` batches in flight. The loop starts
 /// with the first request (on the runtime that makes it) and ends once the batcher and
 /// every [`BatchSender`] are gone and every batch has answered.
@@ -22,11 +26,11 @@ pub struct Batcher<T, R> {
     max: usize,
     parallel: usize,
     serve: BatchFn<T, R>,
-    sender: OnceLock<mpsc::UnboundedSender<Request<T, R>>>,
+    sender: OnceLock<mpsc::Sender<Request<T, R>>>,
 }
 
 /// Hands requests to a [`Batcher`]; cheap to clone.
-pub struct BatchSender<T, R>(mpsc::UnboundedSender<Request<T, R>>);
+pub struct BatchSender<T, R>(mpsc::Sender<Request<T, R>>);
 
 impl<T, R> Clone for BatchSender<T, R> {
     fn clone(&self) -> Self {
@@ -42,8 +46,18 @@ impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
     /// A sender for this batcher; starts its loop on first use (call it on a runtime).
     pub fn sender(&self) -> BatchSender<T, R> {
         let tx = self.sender.get_or_init(|| {
-            let (tx, rx) = mpsc::unbounded_channel();
-            tokio::spawn(batch_loop(rx, self.max, self.parallel, self.serve.clone()));
+            let (tx, rx) = mpsc::channel(WAITING);
+            let serve = self.serve.clone();
+            tokio::spawn(gather(rx, self.max, self.parallel, move |batch: Vec<Request<T, R>>| {
+                let serve = serve.clone();
+                async move {
+                    let (items, replies): (Vec<T>, Vec<oneshot::Sender<R>>) = batch.into_iter().unzip();
+                    let answers = serve(items).await;
+                    for (reply, answer) in replies.into_iter().zip(answers) {
+                        let _ = reply.send(answer);
+                    }
+                }
+            }));
             tx
         });
         BatchSender(tx.clone())
@@ -54,22 +68,25 @@ impl<T, R> BatchSender<T, R> {
     /// Serves `item` in the next batch; `None` when the batcher stopped without answering.
     pub async fn call(&self, item: T) -> Option<R> {
         let (reply, answer) = oneshot::channel();
-        self.0.send((item, reply)).ok()?;
+        self.0.send((item, reply)).await.ok()?;
         answer.await.ok()
     }
 }
 
-async fn batch_loop<T: Send + 'static, R: Send + 'static>(
-    mut rx: mpsc::UnboundedReceiver<Request<T, R>>,
-    max: usize,
-    parallel: usize,
-    serve: BatchFn<T, R>,
-) {
+/// Serves what arrives on `rx` in batches of up to `max`, with up to `parallel` batches in
+/// flight: a batch takes whatever is waiting when a slot frees up. Ends when every sender
+/// is gone and every batch has been served.
+pub async fn gather<T, F, Fut>(mut rx: mpsc::Receiver<T>, max: usize, parallel: usize, serve: F)
+where
+    T: Send + 'static,
+    F: Fn(Vec<T>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
     let mut running: JoinSet<()> = JoinSet::new();
     let mut open = true;
     while open || !running.is_empty() {
         tokio::select! {
-            first = rx.recv(), if open && running.len() < parallel => {
+            first = rx.recv(), if open && running.len() < parallel.max(1) => {
                 let Some(first) = first else {
                     open = false;
                     continue;
@@ -81,14 +98,7 @@ async fn batch_loop<T: Send + 'static, R: Send + 'static>(
                         Err(_) => break,
                     }
                 }
-                let serve = serve.clone();
-                running.spawn(async move {
-                    let (items, replies): (Vec<T>, Vec<oneshot::Sender<R>>) = batch.into_iter().unzip();
-                    let answers = serve(items).await;
-                    for (reply, answer) in replies.into_iter().zip(answers) {
-                        let _ = reply.send(answer);
-                    }
-                });
+                running.spawn(serve(batch));
             }
             Some(_) = running.join_next() => {}
         }

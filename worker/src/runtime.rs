@@ -722,32 +722,12 @@ const COMPLETION_STATEMENTS: usize = 2;
 /// every statement has returned.
 async fn completion_loop(
     pool: PgPool,
-    mut rx: mpsc::Receiver<Completion>,
+    rx: mpsc::Receiver<Completion>,
     max: usize,
     parallel: usize,
     stats: Arc<WorkerStats>,
 ) {
-    let mut statements: JoinSet<()> = JoinSet::new();
-    let mut open = true;
-    while open || !statements.is_empty() {
-        tokio::select! {
-            first = rx.recv(), if open && statements.len() < parallel.max(1) => {
-                let Some(first) = first else {
-                    open = false;
-                    continue;
-                };
-                let mut batch = vec![first];
-                while batch.len() < max {
-                    match rx.try_recv() {
-                        Ok(c) => batch.push(c),
-                        Err(_) => break,
-                    }
-                }
-                statements.spawn(complete_batch(pool.clone(), batch, stats.clone()));
-            }
-            Some(_) = statements.join_next() => {}
-        }
-    }
+    crate::batch::gather(rx, max, parallel, move |batch| complete_batch(pool.clone(), batch, stats.clone())).await;
 }
 
 /// Completes one batch, fenced on each lease, and accounts for every job in it.

@@ -391,49 +391,18 @@ pub async fn advance(
     d: &Delivery,
     steps: &[Step<'_>],
 ) -> Result<Delivery, DeliveryError> {
-    let Some(first) = steps.first() else {
+    if steps.is_empty() {
         return Ok(d.clone());
-    };
-    let mut ev = EventColumns::default();
-    let moved = ev.plan(d, steps)?;
-    let r = sqlx::query(
-        r#"WITH moved AS (
-               UPDATE deliveries SET state = $3, version = version + $4, event_hash = $5, updated_at = now()
-               WHERE id = $1 AND state = $2 AND version = $6
-               RETURNING id)
-           INSERT INTO delivery_events (delivery_id, seq, from_state, to_state, actor, reason, data, prev_hash, hash)
-           SELECT moved.id, e.seq, e.from_state::delivery_state, e.to_state::delivery_state, e.actor, e.reason,
-                  e.data, e.prev_hash, e.hash
-           FROM moved CROSS JOIN unnest($7::int4[], $8::text[], $9::text[], $10::text[], $11::text[], $12::jsonb[],
-                                        $13::text[], $14::text[])
-                AS e (seq, from_state, to_state, actor, reason, data, prev_hash, hash)"#,
-    )
-    .bind(d.id)
-    .bind(d.state)
-    .bind(moved.state)
-    .bind(steps.len() as i32)
-    .bind(&moved.event_hash)
-    .bind(d.version)
-    .bind(&ev.seq)
-    .bind(&ev.from)
-    .bind(&ev.to)
-    .bind(&ev.actor)
-    .bind(&ev.reason)
-    .bind(&ev.data)
-    .bind(&ev.prev)
-    .bind(&ev.hash)
-    .execute(&mut **tx)
-    .await?;
-    if r.rows_affected() == 0 {
-        return Err(refused(d.state, first.action));
     }
-    Ok(moved)
+    let mut moved = advance_many(tx, &[(d, steps)]).await?;
+    Ok(moved.remove(0))
 }
 
 /// [`advance`] for several deliveries in one statement, each through its own steps: all
 /// or nothing (an illegal move, or a delivery that changed since it was read, refuses the
 /// whole statement and nothing is written). Returns the deliveries as they now stand, in
-/// the order given. Lock the rows in id order beforehand (see [`lock_many_with_artifact`]).
+/// the order given. With several deliveries, lock their rows in id order beforehand (see
+/// [`lock_many_with_artifact`]), so that two such statements cannot deadlock.
 pub async fn advance_many(
     tx: &mut Transaction<'_, Postgres>,
     moves: &[(&Delivery, &[Step<'_>])],

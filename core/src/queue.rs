@@ -441,8 +441,9 @@ pub async fn complete_and_claim(
 }
 
 /// The statement of [`complete_and_claim`]: the claim statement's parameters, then the
-/// ids and attempts of the jobs to complete (`one`: a single job, which needs no lock order). It returns one row per job claimed (at least
-/// one row: the job's columns are NULL when none was) with the completed ids and attempts.
+/// ids and attempts of the jobs to complete (`one`: a single job, which needs no lock
+/// order). It returns one row per job claimed (at least one row: the job's columns are
+/// NULL when none was) with the completed ids and attempts.
 pub fn complete_and_claim_sql(paused: &[String], bounded: bool, one: bool) -> String {
     let (ids, attempts) = if bounded { ("$7", "$8") } else { ("$5", "$6") };
     format!(

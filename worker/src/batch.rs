@@ -40,7 +40,7 @@ impl<T, R> Clone for BatchSender<T, R> {
 
 impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
     pub fn new(max: usize, parallel: usize, serve: BatchFn<T, R>) -> Self {
-        Self { max: max.max(1), parallel: parallel.max(1), serve, sender: OnceLock::new() }
+        Self { max, parallel, serve, sender: OnceLock::new() }
     }
 
     /// A sender for this batcher; starts its loop on first use (call it on a runtime).

@@ -850,17 +850,15 @@ pub async fn begin_send(
     let attempt_id = store::start_attempt(&mut *tx, d.id, lease, worker, &d.artifact_sha256)
         .await?
         .ok_or(QueueError::lost(lease))?;
-    let delivery = store::transition(
-        &mut tx,
-        &d,
-        Action::StartSend,
-        &actor,
-        None,
-        json!({"attempt_id": attempt_id, "job_attempt": lease.attempt}),
-    )
-    .await?;
+    let delivery =
+        store::transition(&mut tx, &d, Action::StartSend, &actor, None, started_data(attempt_id, lease)).await?;
     tx.commit().await?;
     Ok(SendStart::Started { delivery, artifact, attempt_id })
+}
+
+/// What the event of a started send carries.
+fn started_data(attempt_id: Uuid, lease: Lease) -> serde_json::Value {
+    json!({"attempt_id": attempt_id, "job_attempt": lease.attempt})
 }
 
 /// The most sends [`begin_send_many`] or [`record_sent_many`] take in one transaction.
@@ -967,12 +965,7 @@ async fn start_in(
     let steps: Vec<[Step; 1]> = ready
         .iter()
         .map(|(lease, _, _, attempt_id)| {
-            [Step {
-                action: Action::StartSend,
-                actor: &actor,
-                reason: None,
-                data: json!({"attempt_id": attempt_id, "job_attempt": lease.attempt}),
-            }]
+            [Step { action: Action::StartSend, actor: &actor, reason: None, data: started_data(*attempt_id, *lease) }]
         })
         .collect();
     let moves: Vec<(&Delivery, &[Step])> =
@@ -1026,17 +1019,7 @@ async fn record_sent_together(pool: &PgPool, worker: &str, items: &[SendOutcome]
         let EffectOutcome::Sent { message_id, response } = &s.outcome else {
             return Ok(false);
         };
-        let receipt = NewReceipt {
-            delivery_id: s.delivery.id,
-            attempt_id: Some(s.attempt_id),
-            channel: s.delivery.channel,
-            message_id: message_id.as_deref(),
-            provider_response: Some(response),
-            payload_sha256: &s.delivery.artifact_sha256,
-            attempt: s.lease.attempt,
-            worker: Some(worker),
-            attested_by: None,
-        };
+        let receipt = sent_receipt(s.lease, worker, &s.delivery, s.attempt_id, message_id.as_deref(), response);
         sent.push((s.lease, receipt, s.outcome.detail()));
     }
     // Jobs first, then deliveries, as one transaction B at a time takes them.
@@ -1063,9 +1046,7 @@ async fn record_sent_together(pool: &PgPool, worker: &str, items: &[SendOutcome]
     store::advance_many(&mut tx, &moves).await?;
     tx.commit().await?;
     for s in items {
-        metrics::counter!(crate::metrics::SEND_ATTEMPTS, "channel" => s.delivery.channel.as_str(), "outcome" => s.outcome.label())
-            .increment(1);
-        metrics::counter!(crate::metrics::RECEIPTS, "channel" => s.delivery.channel.as_str()).increment(1);
+        count_recorded(&s.delivery, &s.outcome, DeliveryState::Sent);
     }
     Ok(true)
 }
@@ -1085,17 +1066,7 @@ pub async fn record_outcome(
     let detail = outcome.detail();
     let (action, reason): (Action, Option<String>) = match outcome {
         EffectOutcome::Sent { message_id, response } => {
-            let receipt = NewReceipt {
-                delivery_id: d.id,
-                attempt_id: Some(attempt_id),
-                channel: d.channel,
-                message_id: message_id.as_deref(),
-                provider_response: Some(response),
-                payload_sha256: &d.artifact_sha256,
-                attempt: lease.attempt,
-                worker: Some(worker),
-                attested_by: None,
-            };
+            let receipt = sent_receipt(lease, worker, d, attempt_id, message_id.as_deref(), response);
             if !store::complete_sent(&mut *tx, lease, &receipt, detail).await? {
                 return Err(QueueError::lost(lease).into());
             }
@@ -1128,12 +1099,39 @@ pub async fn record_outcome(
         .await?
         .state;
     tx.commit().await?;
+    count_recorded(d, outcome, state);
+    Ok(state)
+}
+
+/// The receipt of a send that went out under `lease`.
+fn sent_receipt<'a>(
+    lease: Lease,
+    worker: &'a str,
+    d: &'a Delivery,
+    attempt_id: Uuid,
+    message_id: Option<&'a str>,
+    response: &'a str,
+) -> NewReceipt<'a> {
+    NewReceipt {
+        delivery_id: d.id,
+        attempt_id: Some(attempt_id),
+        channel: d.channel,
+        message_id,
+        provider_response: Some(response),
+        payload_sha256: &d.artifact_sha256,
+        attempt: lease.attempt,
+        worker: Some(worker),
+        attested_by: None,
+    }
+}
+
+/// Counts a recorded send attempt, and its receipt when it left the delivery sent.
+fn count_recorded(d: &Delivery, outcome: &EffectOutcome, state: DeliveryState) {
     metrics::counter!(crate::metrics::SEND_ATTEMPTS, "channel" => d.channel.as_str(), "outcome" => outcome.label())
         .increment(1);
     if state == DeliveryState::Sent {
         metrics::counter!(crate::metrics::RECEIPTS, "channel" => d.channel.as_str()).increment(1);
     }
-    Ok(state)
 }
 
 /// Runs [`record_outcome`] until it is recorded, the lease is lost, or `give_up` fires.

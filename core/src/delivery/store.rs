@@ -272,21 +272,7 @@ pub async fn lock_with_artifact(
     db: impl PgExecutor<'_>,
     id: Uuid,
 ) -> Result<(Delivery, serde_json::Value), DeliveryError> {
-    #[derive(FromRow)]
-    struct Row {
-        #[sqlx(flatten)]
-        delivery: Delivery,
-        artifact_body: serde_json::Value,
-    }
-    let row: Row = sqlx::query_as(
-        r#"SELECT d.*, a.body AS artifact_body FROM deliveries d JOIN artifacts a ON a.sha256 = d.artifact_sha256
-           WHERE d.id = $1 FOR UPDATE OF d"#,
-    )
-    .bind(id)
-    .fetch_optional(db)
-    .await?
-    .ok_or(DeliveryError::NotFound(id))?;
-    Ok((row.delivery, row.artifact_body))
+    lock_many_with_artifact(db, &[id]).await?.pop().ok_or(DeliveryError::NotFound(id))
 }
 
 /// [`lock_with_artifact`] for several deliveries at once, locked in id order (so two such
@@ -328,17 +314,7 @@ pub struct ForSend {
 /// Reads the send switch (share lock), the delivery (row lock), its artifact and its
 /// latest approval; `None` when there is no such delivery.
 pub async fn read_for_send(db: impl PgExecutor<'_>, id: Uuid) -> Result<Option<ForSend>, sqlx::Error> {
-    sqlx::query_as(
-        r#"SELECT s.send_enabled, d.*, a.body AS artifact_body,
-                  (SELECT p.artifact_sha256 FROM approvals p WHERE p.delivery_id = d.id
-                   ORDER BY p.created_at DESC, p.id DESC LIMIT 1) AS approved_sha256
-           FROM settings s CROSS JOIN deliveries d JOIN artifacts a ON a.sha256 = d.artifact_sha256
-           WHERE s.id = 1 AND d.id = $1
-           FOR SHARE OF s FOR UPDATE OF d"#,
-    )
-    .bind(id)
-    .fetch_optional(db)
-    .await
+    Ok(read_for_send_many(db, &[id]).await?.pop())
 }
 
 /// [`read_for_send`] for several deliveries, locked in id order; those that do not exist
@@ -771,24 +747,9 @@ pub async fn start_attempt(
     worker: &str,
     artifact_sha256: &str,
 ) -> Result<Option<Uuid>, sqlx::Error> {
-    static SQL: LazyLock<String> = LazyLock::new(|| {
-        format!(
-            r#"WITH held AS ({} RETURNING id)
-               INSERT INTO send_attempts (id, delivery_id, job_id, lease_attempt, worker, artifact_sha256)
-               SELECT $3, $4, held.id, $2, $5, $6 FROM held
-               RETURNING id"#,
-            queue::MARK_EFFECT_STARTED_SQL
-        )
-    });
-    sqlx::query_scalar(sqlx::AssertSqlSafe(SQL.as_str()))
-        .bind(lease.id)
-        .bind(lease.attempt)
-        .bind(Uuid::now_v7())
-        .bind(delivery_id)
-        .bind(worker)
-        .bind(artifact_sha256)
-        .fetch_optional(db)
-        .await
+    let id = Uuid::now_v7();
+    let started = start_attempts(db, worker, &[NewAttempt { id, delivery_id, lease, artifact_sha256 }]).await?;
+    Ok((started == 1).then_some(id))
 }
 
 /// One attempt to start: the delivery, the lease its send job is held under, the id the
@@ -841,37 +802,7 @@ pub async fn complete_sent(
     receipt: &NewReceipt<'_>,
     detail: &str,
 ) -> Result<bool, sqlx::Error> {
-    static SQL: LazyLock<String> = LazyLock::new(|| {
-        format!(
-            r#"WITH done AS ({} RETURNING id),
-               receipt AS (
-                   INSERT INTO receipts (id, delivery_id, attempt_id, channel, message_id, provider_response,
-                                         payload_sha256, attempt, worker, attested_by)
-                   SELECT $3, $4, $5, $6, $7, $8, $9, $10, $11, $12 FROM done),
-               attempt AS (
-                   UPDATE send_attempts SET outcome = 'sent', detail = $13, finished_at = now()
-                   WHERE id = $5 AND outcome IS NULL AND EXISTS (SELECT FROM done))
-               SELECT count(*) FROM done"#,
-            queue::COMPLETE_HELD_SQL
-        )
-    });
-    let done: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(SQL.as_str()))
-        .bind(lease.id)
-        .bind(lease.attempt)
-        .bind(Uuid::now_v7())
-        .bind(receipt.delivery_id)
-        .bind(receipt.attempt_id)
-        .bind(receipt.channel)
-        .bind(receipt.message_id)
-        .bind(receipt.provider_response)
-        .bind(receipt.payload_sha256)
-        .bind(receipt.attempt)
-        .bind(receipt.worker)
-        .bind(receipt.attested_by)
-        .bind(detail)
-        .fetch_one(db)
-        .await?;
-    Ok(done == 1)
+    Ok(complete_sent_many(db, &[(lease, receipt.clone(), detail)]).await? == 1)
 }
 
 /// [`complete_sent`] for several sends in one statement (their jobs locked in id order),

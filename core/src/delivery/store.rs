@@ -747,9 +747,25 @@ pub async fn start_attempt(
     worker: &str,
     artifact_sha256: &str,
 ) -> Result<Option<Uuid>, sqlx::Error> {
-    let id = Uuid::now_v7();
-    let started = start_attempts(db, worker, &[NewAttempt { id, delivery_id, lease, artifact_sha256 }]).await?;
-    Ok((started == 1).then_some(id))
+    // One job needs no lock order: the plain fenced form, without the sort of the batch.
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            r#"WITH held AS ({} RETURNING id)
+               INSERT INTO send_attempts (id, delivery_id, job_id, lease_attempt, worker, artifact_sha256)
+               SELECT $3, $4, held.id, $2, $5, $6 FROM held
+               RETURNING id"#,
+            queue::MARK_EFFECT_STARTED_SQL
+        )
+    });
+    sqlx::query_scalar(sqlx::AssertSqlSafe(SQL.as_str()))
+        .bind(lease.id)
+        .bind(lease.attempt)
+        .bind(Uuid::now_v7())
+        .bind(delivery_id)
+        .bind(worker)
+        .bind(artifact_sha256)
+        .fetch_optional(db)
+        .await
 }
 
 /// One attempt to start: the delivery, the lease its send job is held under, the id the
@@ -802,7 +818,38 @@ pub async fn complete_sent(
     receipt: &NewReceipt<'_>,
     detail: &str,
 ) -> Result<bool, sqlx::Error> {
-    Ok(complete_sent_many(db, &[(lease, receipt.clone(), detail)]).await? == 1)
+    // One job needs no lock order: the plain fenced form, without the sort of the batch.
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            r#"WITH done AS ({} RETURNING id),
+               receipt AS (
+                   INSERT INTO receipts (id, delivery_id, attempt_id, channel, message_id, provider_response,
+                                         payload_sha256, attempt, worker, attested_by)
+                   SELECT $3, $4, $5, $6, $7, $8, $9, $10, $11, $12 FROM done),
+               attempt AS (
+                   UPDATE send_attempts SET outcome = 'sent', detail = $13, finished_at = now()
+                   WHERE id = $5 AND outcome IS NULL AND EXISTS (SELECT FROM done))
+               SELECT count(*) FROM done"#,
+            queue::COMPLETE_HELD_SQL
+        )
+    });
+    let done: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(SQL.as_str()))
+        .bind(lease.id)
+        .bind(lease.attempt)
+        .bind(Uuid::now_v7())
+        .bind(receipt.delivery_id)
+        .bind(receipt.attempt_id)
+        .bind(receipt.channel)
+        .bind(receipt.message_id)
+        .bind(receipt.provider_response)
+        .bind(receipt.payload_sha256)
+        .bind(receipt.attempt)
+        .bind(receipt.worker)
+        .bind(receipt.attested_by)
+        .bind(detail)
+        .fetch_one(db)
+        .await?;
+    Ok(done == 1)
 }
 
 /// [`complete_sent`] for several sends in one statement (their jobs locked in id order),

@@ -207,16 +207,6 @@ async fn db_clock(pool: &PgPool) -> anyhow::Result<f64> {
     Ok(sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8").fetch_one(pool).await?)
 }
 
-/// Writes out the completed rows a growth measurement starts with (a million rows and their
-/// vacuum) before the jobs it drains are enqueued: left to a checkpoint during the drain,
-/// flushing them stalled every commit for over a second at a time. Only there: right after
-/// a checkpoint, the first change of every page writes the whole page to the WAL, so a
-/// checkpoint just before a drain of fresh jobs would bill it for pages its set-up wrote.
-async fn settle(pool: &PgPool) -> anyhow::Result<()> {
-    sqlx::query("CHECKPOINT").execute(pool).await?;
-    Ok(())
-}
-
 /// How often a measured run's end is polled.
 const MEASURED_POLL: Duration = Duration::from_millis(250);
 
@@ -233,7 +223,11 @@ async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_row
         .execute(&db.pool)
         .await?;
         sqlx::query("VACUUM ANALYZE jobs").execute(&db.pool).await?;
-        settle(&db.pool).await?;
+        // Written out before the jobs to drain are enqueued: left to a checkpoint during the
+        // drain, flushing a million rows stalled every commit for over a second at a time.
+        // Only here: right after a checkpoint the first change of every page writes the
+        // whole page to the WAL, so one just before any drain would bill it for its set-up.
+        sqlx::query("CHECKPOINT").execute(&db.pool).await?;
     }
     fill(&db.pool, n).await?;
     sqlx::query("ANALYZE jobs").execute(&db.pool).await?;
@@ -273,12 +267,12 @@ async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_row
         MEASURED_POLL,
     )
     .await?;
-    let end: f64 =
-        sqlx::query_scalar("SELECT extract(epoch FROM max(finished_at))::float8 FROM jobs WHERE state = 'completed'")
-            .fetch_one(&db.pool)
-            .await?;
+    let (after, end): (i64, f64) = sqlx::query_as(
+        "SELECT count(*), extract(epoch FROM max(finished_at))::float8 FROM jobs WHERE state = 'completed'",
+    )
+    .fetch_one(&db.pool)
+    .await?;
     let rate = n as f64 / (end - start);
-    let after = count(&db.pool, "SELECT count(*) FROM jobs WHERE state = 'completed'").await?;
     if after != before + n {
         bail!("drain lost jobs: {} completed, {} expected", after - before, n);
     }

@@ -11,6 +11,7 @@ use airlock_core::delivery::pipeline::{self, Submission};
 use airlock_core::delivery::store::{self, Actor, Run};
 use airlock_core::delivery::view;
 use airlock_core::http::{Access, ApiError, Auth, BearerAuth, JsonBody, RouteRule, parse_id};
+use airlock_core::queue::Waker;
 use axum::extract::{FromRef, Path, State};
 use axum::http::StatusCode;
 use axum::{Json, Router};
@@ -29,6 +30,16 @@ pub mod tasks;
 pub struct AppState {
     pub pool: PgPool,
     pub config: Arc<Config>,
+    /// Wakes the workers after a submission commits.
+    pub waker: Waker,
+}
+
+impl AppState {
+    /// The state over `pool`, with a waker of its own (needs a Tokio runtime).
+    pub fn new(pool: PgPool, config: Arc<Config>) -> Self {
+        let waker = Waker::new(pool.clone());
+        Self { pool, config, waker }
+    }
 }
 
 /// Who may call each route of this service: the one authorization table, enforced by
@@ -156,7 +167,7 @@ async fn submit_delivery(
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let agent = auth.agent()?;
     let submission = Submission::parse(&body, &pipeline::limits(&state.config))?;
-    let (d, created) = pipeline::submit(&state.pool, &state.config, agent, submission).await?;
+    let (d, created) = pipeline::submit(&state.pool, &state.config, &state.waker, agent, submission).await?;
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     Ok((
         status,

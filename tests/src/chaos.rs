@@ -276,11 +276,13 @@ pub async fn run(cfg: &ChaosConfig) -> anyhow::Result<Summary> {
     let retries = Arc::new(AtomicUsize::new(0));
     let producer = {
         let (pool, config, hooks_origin) = (pool.clone(), Arc::new(config.clone()), hooks.origin());
+        let waker = airlock_core::queue::Waker::new(pool.clone());
         let (submitted, retries, n) = (submitted.clone(), retries.clone(), cfg.deliveries);
         let next = Arc::new(AtomicUsize::new(0));
         let mut tasks = tokio::task::JoinSet::new();
         for _ in 0..4 {
-            let (pool, config, hooks_origin) = (pool.clone(), config.clone(), hooks_origin.clone());
+            let (pool, config, hooks_origin, waker) =
+                (pool.clone(), config.clone(), hooks_origin.clone(), waker.clone());
             let (submitted, retries, next) = (submitted.clone(), retries.clone(), next.clone());
             tasks.spawn(async move {
                 loop {
@@ -293,7 +295,7 @@ pub async fn run(cfg: &ChaosConfig) -> anyhow::Result<Summary> {
                     loop {
                         let s =
                             Submission { run_id: run_row.id, step_id: format!("step-{i}"), artifact: artifact.clone() };
-                        match pipeline::submit(&pool, &config, agent_id, s).await {
+                        match pipeline::submit(&pool, &config, &waker, agent_id, s).await {
                             Ok(_) => break,
                             Err(e) if tries < 600 => {
                                 tries += 1;

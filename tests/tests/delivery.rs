@@ -2,6 +2,7 @@
 //! over STARTTLS (test CA) and a real webhook receiver.
 #![allow(clippy::unwrap_used)]
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use airlock_core::delivery::state::DeliveryState;
@@ -10,7 +11,7 @@ use airlock_core::queue::{self, ClaimFilter};
 use airlock_tests::app::TestApp;
 use airlock_tests::smtp::Fault;
 use reqwest::StatusCode;
-use serde_json::json;
+use serde_json::{Value, json};
 use sqlx::PgPool;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -141,6 +142,10 @@ async fn submissions_are_idempotent_and_budgeted(pool: PgPool) {
     let (s, v) = app.call("POST", &url, Some(&app.agent), Some(TestApp::email(&run, "s3", "Third"))).await;
     assert_eq!(s, StatusCode::CONFLICT);
     assert_eq!(v["error"]["code"], "BUDGET_EXHAUSTED");
+    // A step that has its delivery is answered with it, budget or not.
+    let (s, again) = app.call("POST", &url, Some(&app.agent), Some(body.clone())).await;
+    assert_eq!(s, StatusCode::OK, "{again}");
+    assert_eq!(again["id"], first["id"]);
 
     let (s, r) = app.call("GET", &format!("{}/v1/runs/{run}", app.api), Some(&app.agent), None).await;
     assert_eq!(s, StatusCode::OK);
@@ -157,6 +162,37 @@ async fn submissions_are_idempotent_and_budgeted(pool: PgPool) {
     assert_eq!(s, StatusCode::NOT_FOUND);
     let (s, v) = app.call("POST", &url, Some(&app.other_agent), Some(TestApp::email(&run, "x", "Hi"))).await;
     assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    let (s, v) = app.call("POST", &url, Some(&app.other_agent), Some(body.clone())).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "another agent's step: {v}");
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn the_same_submission_at_once_makes_one_delivery_and_spends_one_step(pool: PgPool) {
+    let app = Arc::new(TestApp::start(pool, &[]).await);
+    let run = app.create_run(0).await;
+    let url = format!("{}/v1/deliveries", app.api);
+    let body = TestApp::email(&run, "s1", "Hello there");
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..16 {
+        let (app, url, body) = (app.clone(), url.clone(), body.clone());
+        calls.spawn(async move { app.call("POST", &url, Some(&app.agent), Some(body)).await });
+    }
+    let answers: Vec<(StatusCode, Value)> = calls.join_all().await;
+    let created = answers.iter().filter(|(s, _)| *s == StatusCode::CREATED).count();
+    assert_eq!(created, 1, "{answers:?}");
+    assert!(
+        answers
+            .iter()
+            .all(|(s, v)| (*s == StatusCode::CREATED || *s == StatusCode::OK) && v["id"] == answers[0].1["id"])
+    );
+    let (deliveries, jobs, used): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM deliveries), (SELECT count(*) FROM jobs WHERE kind = 'delivery.score'),
+                (SELECT used_steps FROM runs)",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!((deliveries, jobs, used), (1, 1, 1), "one delivery, one scoring, one step spent");
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]

@@ -368,6 +368,7 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
 
     let app = TestApp::start(pool, &[]).await;
     let scorer = DefaultScorer::new(app.config.delivery.known_domains.clone());
+    let waker = airlock_core::queue::Waker::new(app.pool.clone());
     let run = app.create_run(0).await;
     let claim = |n: i64| {
         let app = &app;
@@ -433,7 +434,7 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
         app.submit(TestApp::email(&run, &format!("a{i}"), "Newsletter")).await;
     }
     let items = claim(8).await;
-    let results = pipeline::score_many(&app.pool, &app.config, &scorer, &items).await;
+    let results = pipeline::score_many(&app.pool, &app.config, &waker, &scorer, &items).await;
     assert!(results.iter().all(Result::is_ok), "{results:?}");
     let ids: Vec<Uuid> = items.iter().map(|(_, id)| *id).collect();
     assert_eq!(scored(ids.clone()).await, (8, vec![1; 8]), "one transaction per delivery, one score each");
@@ -460,7 +461,7 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
     other["email"]["to"] = json!(["bob@elsewhere.example"]);
     let other = Uuid::parse_str(&app.submit(other).await).unwrap();
     let items = claim(8).await;
-    let results = pipeline::score_many(&app.pool, &app.config, &scorer, &items).await;
+    let results = pipeline::score_many(&app.pool, &app.config, &waker, &scorer, &items).await;
     assert!(results.iter().all(Result::is_ok), "{results:?}");
     let ids: Vec<Uuid> = items.iter().map(|(_, id)| *id).collect();
     assert_eq!(scored(ids.clone()).await, (1, vec![1; 8]), "one transaction for the batch, one score each");
@@ -485,7 +486,7 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
     }
     let mut items = claim(3).await;
     items[1].0.attempt += 1;
-    let results = pipeline::score_many(&app.pool, &app.config, &scorer, &items).await;
+    let results = pipeline::score_many(&app.pool, &app.config, &waker, &scorer, &items).await;
     assert!(results[0].is_ok() && results[2].is_ok(), "{results:?}");
     assert!(matches!(results[1], Err(PipelineError::Queue(QueueError::LeaseLost { .. }))), "{results:?}");
     let ids: Vec<Uuid> = items.iter().map(|(_, id)| *id).collect();

@@ -712,6 +712,58 @@ async fn an_idle_worker_is_woken_by_notify_not_by_polling(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_quiet_enqueue_is_announced_by_the_waker_after_its_commit(pool: PgPool) {
+    let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await.unwrap();
+    listener.listen(queue::NOTIFY_CHANNEL).await.unwrap();
+    let notify = |payload: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(queue::NOTIFY_CHANNEL)
+                .bind(payload)
+                .execute(&pool)
+                .await
+                .unwrap()
+        }
+    };
+
+    // The quiet enqueue's commit sends nothing: notifications arrive in commit order, and
+    // the first one is the marker sent after it.
+    let mut tx = pool.begin().await.unwrap();
+    let job = NewJob::new("test.ping", json!({})).queue("a");
+    queue::enqueue_many_quiet(&mut tx, &[job]).await.unwrap();
+    tx.commit().await.unwrap();
+    notify("marker-1").await;
+    let mut next = async || {
+        let n = tokio::time::timeout(Duration::from_secs(30), listener.recv()).await.expect("a notification");
+        n.unwrap().payload().to_string()
+    };
+    assert_eq!(next().await, "marker-1");
+
+    // A burst of pokes for two queues: each queue is announced, the burst in one or two
+    // rounds of the waker, not once per poke.
+    let waker = queue::Waker::new(pool.clone());
+    for _ in 0..100 {
+        waker.wake("a");
+        waker.wake("b");
+    }
+    let mut seen = Vec::new();
+    while !(seen.contains(&"a".to_string()) && seen.contains(&"b".to_string())) {
+        seen.push(next().await);
+    }
+    notify("marker-2").await;
+    loop {
+        let payload = next().await;
+        if payload == "marker-2" {
+            break;
+        }
+        seen.push(payload);
+    }
+    assert!(seen.iter().all(|p| p == "a" || p == "b"), "{seen:?}");
+    assert!(seen.len() <= 4, "200 pokes coalesced into at most two rounds: {seen:?}");
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn graceful_stop_in_process_finishes_in_flight_work(pool: PgPool) {
     let mut registry = airlock_worker::Registry::new();
     registry.register_fn("test.slow", |_ctx| async move {

@@ -16,7 +16,7 @@ use airlock_core::delivery::pipeline::{self, PipelineError, SendOutcome, SendSta
 use airlock_core::delivery::state::DeliveryState;
 use airlock_core::fault;
 use airlock_core::policy;
-use airlock_core::queue::{self, Lease, Rescued};
+use airlock_core::queue::{self, Lease, Rescued, Waker};
 use airlock_core::scoring::Scorer;
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
@@ -52,12 +52,16 @@ const BATCHES: usize = 2;
 impl ScoreHandler {
     pub fn new(config: Arc<Config>, scorer: Arc<dyn Scorer>) -> Self {
         // Every job of one process is in the same database: a batch runs on the pool of
-        // its first job.
+        // its first job, and the sends it enqueues are announced by one waker on the pool
+        // of the first batch.
+        let waker = Arc::new(std::sync::OnceLock::<Waker>::new());
         let serve: BatchFn<(PgPool, Lease, Uuid), Result<(), PipelineError>> = Arc::new(move |batch| {
-            let (config, scorer) = (config.clone(), scorer.clone());
+            let (config, scorer, waker) = (config.clone(), scorer.clone(), waker.clone());
             Box::pin(async move {
+                let pool = &batch[0].0;
+                let waker = waker.get_or_init(|| Waker::new(pool.clone()));
                 let items: Vec<(Lease, Uuid)> = batch.iter().map(|(_, lease, id)| (*lease, *id)).collect();
-                pipeline::score_many(&batch[0].0, &config, scorer.as_ref(), &items).await
+                pipeline::score_many(pool, &config, waker, scorer.as_ref(), &items).await
             })
         });
         Self { scores: Batcher::new(pipeline::MAX_SCORE_BATCH, BATCHES, serve) }

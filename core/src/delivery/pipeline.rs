@@ -16,7 +16,7 @@ use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use super::state::{Action, DeliveryState};
-use super::store::{self, Actor, Delivery, DeliveryError, NewReceipt, Step};
+use super::store::{self, Actor, Delivery, DeliveryError, NewDelivery, NewReceipt, Step};
 use crate::artifact::{Artifact, Channel, Limits, ValidationError};
 use crate::audit;
 use crate::channels::EffectOutcome;
@@ -24,7 +24,7 @@ use crate::config::Config;
 use crate::grants;
 use crate::policy;
 use crate::principals::Principal;
-use crate::queue::{self, Lease, NewJob, QueueError, RescueOutcome, Rescued};
+use crate::queue::{self, Lease, NewJob, QueueError, RescueOutcome, Rescued, Waker};
 use crate::scoring::Scorer;
 
 /// Job kinds of the pipeline.
@@ -144,38 +144,41 @@ impl Submission {
 
 /// Persists a submission: the same run and step with the same artifact returns the
 /// existing delivery (`false`); with another artifact it is a conflict. A new delivery
-/// spends one step of the run's budget and enqueues its scoring, in one transaction.
+/// spends one step of the run's budget and enqueues its scoring, in one statement
+/// ([`store::submit`]); `waker` wakes the workers once it has committed.
 pub async fn submit(
     pool: &PgPool,
     cfg: &Config,
+    waker: &Waker,
     agent: &str,
     s: Submission,
 ) -> Result<(Delivery, bool), PipelineError> {
     check_policy(cfg, &s.artifact)?;
-    let sha = s.artifact.sha256_hex();
-    let mut tx = pool.begin().await?;
-    store::lock_run(&mut *tx, s.run_id, agent).await?.ok_or(PipelineError::NotFound("run"))?;
-    if let Some(existing) = store::find_by_step(&mut *tx, s.run_id, &s.step_id).await? {
-        return if existing.submitted_sha256 == sha {
-            Ok((existing, false))
-        } else {
-            Err(PipelineError::IdempotencyConflict { run_id: s.run_id, step_id: s.step_id })
-        };
+    let (run_id, step_id) = (s.run_id, s.step_id.as_str());
+    let id = Uuid::now_v7();
+    let new = NewDelivery {
+        id,
+        run_id,
+        step_id,
+        agent,
+        artifact: &s.artifact,
+        idempotency_key: &policy::idempotency_key(&run_id, step_id),
+        actor: &Actor::new("agent", agent),
+    };
+    let job = NewJob::new(SCORE_JOB, json!({"delivery_id": id})).unique_key(format!("score:{id}")).priority(50);
+    if let Some(d) = store::submit(pool, &new, &job).await? {
+        waker.wake(&job.queue);
+        tracing::info!(delivery.id = %d.id, run.id = %run_id, "delivery persisted");
+        return Ok((d, true));
     }
-    if !store::spend_step(&mut *tx, s.run_id).await? {
-        return Err(PipelineError::BudgetExhausted);
+    // Nothing was written. Said in the order a submission is judged: whose run it is,
+    // whether the step has its delivery already, whether a step is left to spend.
+    store::get_run(pool, run_id, agent).await?.ok_or(PipelineError::NotFound("run"))?;
+    match store::find_by_step(pool, run_id, step_id).await? {
+        Some(existing) if existing.submitted_sha256 == s.artifact.sha256_hex() => Ok((existing, false)),
+        Some(_) => Err(PipelineError::IdempotencyConflict { run_id, step_id: s.step_id }),
+        None => Err(PipelineError::BudgetExhausted),
     }
-    let key = policy::idempotency_key(&s.run_id, &s.step_id);
-    let actor = Actor::new("agent", agent);
-    let d = store::insert_delivery(&mut tx, s.run_id, &s.step_id, agent, &s.artifact, &key, &actor).await?;
-    queue::enqueue(
-        &mut tx,
-        &NewJob::new(SCORE_JOB, json!({"delivery_id": d.id})).unique_key(format!("score:{}", d.id)).priority(50),
-    )
-    .await?;
-    tx.commit().await?;
-    tracing::info!(delivery.id = %d.id, run.id = %s.run_id, "delivery persisted");
-    Ok((d, true))
 }
 
 /// Scores a persisted delivery and routes it to review or approval; completes the job in
@@ -183,6 +186,7 @@ pub async fn submit(
 pub async fn score(
     pool: &PgPool,
     cfg: &Config,
+    waker: &Waker,
     scorer: &dyn Scorer,
     lease: Lease,
     delivery_id: Uuid,
@@ -190,7 +194,7 @@ pub async fn score(
     // A grant that ran out (or was revoked) between choosing it and counting its use is
     // passed over, and the delivery scored again without it.
     let mut passed_over = Vec::new();
-    while let Some(grant_id) = score_once(pool, cfg, scorer, lease, delivery_id, &passed_over).await? {
+    while let Some(grant_id) = score_once(pool, cfg, waker, scorer, lease, delivery_id, &passed_over).await? {
         passed_over.push(grant_id);
     }
     Ok(())
@@ -255,6 +259,7 @@ fn score_steps<'a>(r: &'a Routed, actor: &'a Actor, grant: Option<(Uuid, &'a Act
 async fn score_once(
     pool: &PgPool,
     cfg: &Config,
+    waker: &Waker,
     scorer: &dyn Scorer,
     lease: Lease,
     delivery_id: Uuid,
@@ -281,7 +286,7 @@ async fn score_once(
     let steps = score_steps(&r, &actor, grant.zip(grant_actor.as_ref()), &d.artifact_sha256);
     let moved = store::advance(&mut tx, &d, &steps).await?;
     if grant.is_some() {
-        enqueue_send(&mut tx, cfg, &moved).await?;
+        queue::enqueue_many_quiet(&mut tx, &[send_job_for(cfg, &moved)]).await?;
     }
     queue::complete(&mut *tx, lease).await?;
     // Last, so the grant's row stays locked only for the commit: every delivery it approves
@@ -294,6 +299,9 @@ async fn score_once(
     }
     crate::fault::hit("score.before_commit").await.map_err(|e| PipelineError::Invalid(e.to_string()))?;
     tx.commit().await?;
+    if grant.is_some() {
+        waker.wake(SEND_QUEUE);
+    }
     Ok(None)
 }
 
@@ -308,11 +316,12 @@ pub const MAX_SCORE_BATCH: usize = 32;
 pub async fn score_many(
     pool: &PgPool,
     cfg: &Config,
+    waker: &Waker,
     scorer: &dyn Scorer,
     items: &[(Lease, Uuid)],
 ) -> Vec<Result<(), PipelineError>> {
     if items.len() > 1 {
-        match score_together(pool, cfg, scorer, items).await {
+        match score_together(pool, cfg, waker, scorer, items).await {
             Ok(true) => return items.iter().map(|_| Ok(())).collect(),
             Ok(false) => tracing::debug!(jobs = items.len(), "scoring together refused; scoring one by one"),
             Err(e) => tracing::debug!(jobs = items.len(), error = %e, "scoring together failed; scoring one by one"),
@@ -320,7 +329,7 @@ pub async fn score_many(
     }
     let mut out = Vec::with_capacity(items.len());
     for (lease, id) in items {
-        out.push(score(pool, cfg, scorer, *lease, *id).await);
+        out.push(score(pool, cfg, waker, scorer, *lease, *id).await);
     }
     out
 }
@@ -330,6 +339,7 @@ pub async fn score_many(
 async fn score_together(
     pool: &PgPool,
     cfg: &Config,
+    waker: &Waker,
     scorer: &dyn Scorer,
     items: &[(Lease, Uuid)],
 ) -> Result<bool, PipelineError> {
@@ -383,7 +393,7 @@ async fn score_together(
     let moved = store::advance_many(&mut tx, &moves).await?;
     let sends: Vec<NewJob> =
         moved.iter().zip(&scored).filter(|(_, (_, _, g))| g.is_some()).map(|(d, _)| send_job_for(cfg, d)).collect();
-    queue::enqueue_many(&mut tx, &sends).await?;
+    queue::enqueue_many_quiet(&mut tx, &sends).await?;
     let leases: Vec<Lease> = items.iter().map(|(lease, _)| *lease).collect();
     if queue::complete_many(&mut *tx, &leases).await?.len() != leases.len() {
         return Ok(false);
@@ -400,6 +410,9 @@ async fn score_together(
     }
     crate::fault::hit("score.before_commit").await.map_err(|e| PipelineError::Invalid(e.to_string()))?;
     tx.commit().await?;
+    if !sends.is_empty() {
+        waker.wake(SEND_QUEUE);
+    }
     Ok(true)
 }
 

@@ -137,32 +137,6 @@ pub async fn get_run(db: impl PgExecutor<'_>, id: Uuid, agent: &str) -> Result<O
     .await
 }
 
-/// Locks a run for the rest of the transaction (serialises submissions to one run).
-pub async fn lock_run(db: impl PgExecutor<'_>, id: Uuid, agent: &str) -> Result<Option<Run>, sqlx::Error> {
-    sqlx::query_as(
-        r#"SELECT id, agent, inputs, state::text AS state, max_steps, max_tokens, max_cost_micros,
-                  used_steps, used_tokens, used_cost_micros, created_at
-           FROM runs WHERE id = $1 AND agent = $2 FOR NO KEY UPDATE"#,
-    )
-    .bind(id)
-    .bind(agent)
-    .fetch_optional(db)
-    .await
-}
-
-/// Spends one step of a locked run's budget; false when none is left (nothing written).
-pub async fn spend_step(db: impl PgExecutor<'_>, run_id: Uuid) -> Result<bool, sqlx::Error> {
-    let r = sqlx::query(
-        r#"UPDATE runs SET used_steps = used_steps + 1, updated_at = now(),
-               state = CASE WHEN max_steps <> 0 AND used_steps + 1 >= max_steps THEN 'budget_exhausted'::run_state ELSE state END
-           WHERE id = $1 AND (max_steps = 0 OR used_steps < max_steps)"#,
-    )
-    .bind(run_id)
-    .execute(db)
-    .await?;
-    Ok(r.rows_affected() == 1)
-}
-
 /// Stores an artifact (a no-op when the same content is stored already).
 pub async fn put_artifact(db: impl PgExecutor<'_>, artifact: &Artifact) -> Result<String, sqlx::Error> {
     let sha = artifact.sha256_hex();
@@ -193,18 +167,31 @@ pub async fn find_by_step(
         .await
 }
 
-/// Inserts a delivery in `persisted` with its first event, and its artifact unless the
-/// same content is stored already: one statement.
-pub async fn insert_delivery(
-    tx: &mut Transaction<'_, Postgres>,
-    run_id: Uuid,
-    step_id: &str,
-    agent: &str,
-    artifact: &Artifact,
-    idempotency_key: &str,
-    actor: &Actor,
-) -> Result<Delivery, sqlx::Error> {
-    let id = Uuid::now_v7();
+/// A delivery [`submit`] persists.
+#[derive(Clone, Copy)]
+pub struct NewDelivery<'a> {
+    pub id: Uuid,
+    pub run_id: Uuid,
+    pub step_id: &'a str,
+    pub agent: &'a str,
+    pub artifact: &'a Artifact,
+    pub idempotency_key: &'a str,
+    pub actor: &'a Actor,
+}
+
+/// Persists a new delivery in one statement, a transaction of its own: spends one step of
+/// the run (which must be `agent`'s and have a step left), stores the artifact unless the
+/// same content is stored already, and inserts the delivery in `persisted` with its first
+/// event and `job`, its scoring, with no NOTIFY (see [`crate::queue::Waker`]). Every part
+/// or none: a step that has a delivery already fails the delivery's insert, and with it the
+/// whole statement, spent step included. `None`: nothing written, because the run is not
+/// `agent`'s, or has no step left, or the step has its delivery already.
+pub async fn submit(
+    db: impl PgExecutor<'_>,
+    new: &NewDelivery<'_>,
+    job: &queue::NewJob,
+) -> Result<Option<Delivery>, sqlx::Error> {
+    let NewDelivery { id, run_id, step_id, agent, artifact, idempotency_key, actor } = *new;
     let sha = artifact.sha256_hex();
     let size = artifact.canonical_bytes().len() as i32;
     let class = match artifact.channel() {
@@ -224,16 +211,28 @@ pub async fn insert_delivery(
         data: &data,
     };
     let hash = event_hash(None, &first);
-    sqlx::query_as(
-        r#"WITH artifact AS (
-               INSERT INTO artifacts (sha256, body, size_bytes) VALUES ($7, $9, $10) ON CONFLICT (sha256) DO NOTHING),
+    // The job's row as `queue::enqueue_many` writes it; its unique key names this new
+    // delivery, so no live job can hold it.
+    let inserted = sqlx::query_as(
+        r#"WITH spent AS (
+               UPDATE runs SET used_steps = used_steps + 1, updated_at = now(),
+                   state = CASE WHEN max_steps <> 0 AND used_steps + 1 >= max_steps
+                                THEN 'budget_exhausted'::run_state ELSE state END
+               WHERE id = $2 AND agent = $4 AND (max_steps = 0 OR used_steps < max_steps)
+               RETURNING id),
+           artifact AS (
+               INSERT INTO artifacts (sha256, body, size_bytes) SELECT $7, $9, $10 FROM spent
+               ON CONFLICT (sha256) DO NOTHING),
            delivery AS (
                INSERT INTO deliveries (id, run_id, step_id, agent, channel, idempotency_key, artifact_sha256,
                                        submitted_sha256, effect_class, event_hash)
-               VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8, $11) RETURNING *),
+               SELECT $1, $2, $3, $4, $5, $6, $7, $7, $8, $11 FROM spent RETURNING *),
            event AS (
                INSERT INTO delivery_events (delivery_id, seq, from_state, to_state, actor, reason, data, prev_hash, hash)
-               SELECT id, 1, NULL, 'persisted', $12, $13, $14, NULL, $11 FROM delivery)
+               SELECT id, 1, NULL, 'persisted', $12, $13, $14, NULL, $11 FROM delivery),
+           job AS (
+               INSERT INTO jobs (id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key)
+               SELECT $15, $16, $17, $18, $19, coalesce($20, now()), $21, $22, $23 FROM delivery)
            SELECT * FROM delivery"#,
     )
     .bind(id)
@@ -250,8 +249,28 @@ pub async fn insert_delivery(
     .bind(&actor)
     .bind(reason)
     .bind(&data)
-    .fetch_one(&mut **tx)
-    .await
+    .bind(Uuid::now_v7())
+    .bind(&job.kind)
+    .bind(&job.queue)
+    .bind(&job.payload)
+    .bind(job.priority)
+    .bind(job.run_at)
+    .bind(job.max_attempts)
+    .bind(job.effect_class)
+    .bind(&job.unique_key)
+    .fetch_optional(db)
+    .await;
+    match inserted {
+        Err(e) if is_step_taken(&e) => Ok(None),
+        other => other,
+    }
+}
+
+/// The error of inserting a delivery for a run's step that has one already.
+fn is_step_taken(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.constraint())
+        .is_some_and(|c| c == "deliveries_run_step_key" || c == "deliveries_idempotency_key_key")
 }
 
 pub async fn get(db: impl PgExecutor<'_>, id: Uuid) -> Result<Option<Delivery>, sqlx::Error> {

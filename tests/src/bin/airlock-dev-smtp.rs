@@ -1,8 +1,10 @@
 //! A local SMTP sink for development (`scripts/dev`): STARTTLS with a throwaway CA, every
 //! accepted message written to a folder as `<n>.eml`. Not for production.
 //!
-//! Usage: `airlock-dev-smtp PORT DIR` — writes `DIR/ca.pem` (point `smtp.ca_file` at it)
-//! and `DIR/mail/*.eml`.
+//! Usage: `airlock-dev-smtp PORT DIR [--discard]` — writes `DIR/ca.pem` (point
+//! `smtp.ca_file` at it) and `DIR/mail/*.eml`; with `--discard`, accepts messages without
+//! writing or logging them (the benchmark's sink, whose file per message would otherwise
+//! take CPU from the system it measures).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -16,6 +18,11 @@ async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let port: u16 = args.next().unwrap_or_else(|| "2525".into()).parse()?;
     let dir = PathBuf::from(args.next().unwrap_or_else(|| ".dev/smtp".into()));
+    let discard = match args.next().as_deref() {
+        None => false,
+        Some("--discard") => true,
+        Some(other) => anyhow::bail!("unknown argument {other:?}; usage: airlock-dev-smtp PORT DIR [--discard]"),
+    };
     std::fs::create_dir_all(dir.join("mail"))?;
     let ca = Arc::new(TestCa::new()?);
     let ca_file = ca.write_ca_file(&dir)?;
@@ -26,6 +33,9 @@ async fn main() -> anyhow::Result<()> {
         ca_file.display(),
         dir.join("mail").display()
     );
+    if discard {
+        std::future::pending::<()>().await;
+    }
     let mut written = 0;
     loop {
         let new = server.wait_after(written, written + 1, Duration::from_secs(3600)).await;

@@ -398,6 +398,12 @@ async fn ceiling(args: &Args, per_tx: i64) -> anyhow::Result<f64> {
 /// Sends one worker process of the pipeline runs at once.
 const PIPELINE_CONCURRENCY: usize = 128;
 
+/// The bench's setting for `key`, unless the bench's own environment sets it (for runs
+/// side by side).
+fn tuned(key: &str, default: usize) -> String {
+    std::env::var(key).unwrap_or_else(|_| default.to_string())
+}
+
 /// One repetition of the pipeline measurement.
 struct PipelineRun {
     /// Deliveries per second.
@@ -442,10 +448,10 @@ async fn pipeline(args: &Args) -> anyhow::Result<PipelineRun> {
         ("AIRLOCK__DELIVERY__KNOWN_DOMAINS", "example.org".into()),
         // Sends wait on the database and the relay far more than they compute: a worker
         // runs many at once, and its batches grow with them (see the README).
-        ("AIRLOCK__WORKER__CONCURRENCY", PIPELINE_CONCURRENCY.to_string()),
+        ("AIRLOCK__WORKER__CONCURRENCY", tuned("AIRLOCK__WORKER__CONCURRENCY", PIPELINE_CONCURRENCY)),
         // As many SMTP connections kept open as sends run at once: a new one costs a TLS
         // handshake on both ends.
-        ("AIRLOCK__SMTP__MAX_IDLE_CONNECTIONS", PIPELINE_CONCURRENCY.to_string()),
+        ("AIRLOCK__SMTP__MAX_IDLE_CONNECTIONS", tuned("AIRLOCK__SMTP__MAX_IDLE_CONNECTIONS", PIPELINE_CONCURRENCY)),
         ("AIRLOCK__DATABASE__MAX_CONNECTIONS", "16".into()),
     ];
     let api = spawn(&args.bin_dir, "airlock-api", &[], &env)?;

@@ -27,12 +27,8 @@ async fn main() -> anyhow::Result<()> {
     let ca = Arc::new(TestCa::new()?);
     let ca_file = ca.write_ca_file(&dir)?;
     let server = SmtpServer::start_on(SocketAddr::from(([127, 0, 0, 1], port)), SmtpOptions::starttls(ca)).await?;
-    eprintln!(
-        "dev SMTP sink on {} (STARTTLS, CA {}), mail in {}",
-        server.addr(),
-        ca_file.display(),
-        dir.join("mail").display()
-    );
+    let kept = if discard { "discarded".to_string() } else { format!("in {}", dir.join("mail").display()) };
+    eprintln!("dev SMTP sink on {} (STARTTLS, CA {}), mail {kept}", server.addr(), ca_file.display());
     if discard {
         std::future::pending::<()>().await;
     }

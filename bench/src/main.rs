@@ -120,6 +120,11 @@ impl Drop for Proc {
     }
 }
 
+/// The highest peak resident memory of `procs`, MiB.
+fn peak_rss_mib(procs: &[Proc]) -> f64 {
+    procs.iter().map(Proc::peak_rss_mib).fold(0.0, f64::max)
+}
+
 impl Proc {
     fn pid(&self) -> u32 {
         self.0.id()
@@ -276,7 +281,7 @@ async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_row
     if after != before + n {
         bail!("drain lost jobs: {} completed, {} expected", after - before, n);
     }
-    let rss = procs.iter().map(Proc::peak_rss_mib).fold(0.0, f64::max);
+    let rss = peak_rss_mib(&procs);
     for p in procs {
         p.stop();
     }
@@ -539,7 +544,7 @@ async fn pipeline(args: &Args) -> anyhow::Result<PipelineRun> {
     .fetch_all(&db.pool)
     .await?;
     ms.sort_by(f64::total_cmp);
-    let rss = workers.iter().map(Proc::peak_rss_mib).fold(0.0, f64::max);
+    let rss = peak_rss_mib(&workers);
     for w in workers {
         w.stop();
     }

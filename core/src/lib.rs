@@ -33,4 +33,5 @@ pub mod queue;
 pub mod sandbox;
 pub mod scoring;
 pub mod secret;
+pub mod sync;
 pub mod telemetry;

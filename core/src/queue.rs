@@ -17,6 +17,7 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
+use crate::sync::lock;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use sqlx::{FromRow, PgExecutor, PgPool, Postgres, Row, Transaction};
@@ -354,10 +355,6 @@ impl Waker {
         }
         let _ = self.poke.try_send(());
     }
-}
-
-fn lock(m: &Mutex<BTreeSet<String>>) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// One NOTIFY per queue, in a transaction of their own.

@@ -29,9 +29,10 @@ use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use airlock_core::sync::lock;
 use anyhow::Context as _;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
@@ -61,12 +62,6 @@ const ACCEPT_RETRY: Duration = Duration::from_millis(20);
 
 fn install_ring_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-}
-
-/// Locks a mutex, ignoring poisoning: the lists behind it stay valid even if a test
-/// thread panicked while holding the lock.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A throwaway certificate authority and a server certificate it signed.

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use airlock_core::fault;
 use airlock_core::queue::{self, ClaimFilter, ClaimFrom, Job, Lease, QueueError, RescueCounts};
+use airlock_core::sync::lock;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
@@ -404,10 +405,6 @@ impl Worker {
         tracing::info!(worker.id = %s.id, "worker stopped");
         Ok(())
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The paused queues as this worker last read them, so a claim is one statement: re-read

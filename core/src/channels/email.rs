@@ -25,6 +25,7 @@ use super::EffectOutcome;
 use crate::artifact::EmailArtifact;
 use crate::config::{SmtpConfig, SmtpTls, is_loopback_host};
 use crate::secret;
+use crate::sync::lock;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SmtpSetupError {
@@ -239,10 +240,6 @@ impl SmtpSender {
             Err(_) => EffectOutcome::Ambiguous { detail: "no reply after the body was sent: timed out".into() },
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn response_text(resp: &lettre::transport::smtp::response::Response) -> String {

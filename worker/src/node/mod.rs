@@ -30,6 +30,7 @@ use airlock_core::capsule::store::{self, CapsuleStore};
 use airlock_core::capsule::verify::{self, VerifyOptions};
 use airlock_core::capsule::{AgentId, NodeId, agents, fsio, is_sha256_hex, sha256_hex};
 use airlock_core::secret::Secret;
+use airlock_core::sync::lock;
 
 use holder::{HolderRecord, Layout};
 
@@ -104,10 +105,6 @@ pub struct NodeService {
     locks: std::sync::Mutex<HashMap<AgentId, Arc<tokio::sync::Mutex<()>>>>,
     /// Agents with a working copy but no record, with the epoch of that copy (0: unknown).
     unreconciled: std::sync::Mutex<BTreeMap<AgentId, i64>>,
-}
-
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl NodeService {

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use airlock_core::queue::{self, JobState};
+use airlock_queue::{self as queue, JobState};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 

@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use airlock_core::queue::NewJob;
+use airlock_queue::NewJob;
 use airlock_worker::{JobContext, Outcome, Registry};
 use chrono::Utc;
 use serde_json::json;

@@ -11,7 +11,7 @@ fn main() -> anyhow::Result<()> {
     let settings = airlock_bench_adapter::Settings::from_vars(&env)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let result = runtime.block_on(async {
-        let shutdown = airlock_core::http::shutdown_on_signals()?;
+        let shutdown = airlock_core::shutdown::on_signals()?;
         airlock_bench_adapter::run(settings, &env, shutdown).await
     });
     // Work abandoned at the end of the stop budget must not hold the exit.

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use airlock_core::queue::{self, QueueError};
+use airlock_queue::{self as queue, QueueError};
 use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio::time::Instant;

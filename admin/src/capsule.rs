@@ -7,15 +7,15 @@
 
 use std::path::{Path as FsPath, PathBuf};
 
-use airlock_core::capsule::files::{BlobSource, CapsuleFiles, now_rfc3339};
-use airlock_core::capsule::manifest::Signer;
-use airlock_core::capsule::migrations::{self, Migration};
-use airlock_core::capsule::store::{self, CapsuleStore, DirStore, StoreBlobs};
-use airlock_core::capsule::verify::{VerifyOptions, verify_path};
-use airlock_core::capsule::{AgentId, NodeId, agents};
+use airlock_capsule::files::{BlobSource, CapsuleFiles, now_rfc3339};
+use airlock_capsule::manifest::Signer;
+use airlock_capsule::migrations::{self, Migration};
+use airlock_capsule::store::{self, CapsuleStore, DirStore, StoreBlobs};
+use airlock_capsule::verify::{VerifyOptions, verify_path};
+use airlock_capsule::{AgentId, NodeId, agents};
 use airlock_core::config::Config;
-use airlock_core::http::{ApiError, Auth, JsonBody, parse_id};
 use airlock_core::principals::Role;
+use airlock_http::{ApiError, Auth, JsonBody, parse_id};
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -124,7 +124,7 @@ pub async fn export(
     out: &FsPath,
     tar: bool,
     signer: Option<&Signer>,
-) -> anyhow::Result<airlock_core::capsule::Manifest> {
+) -> anyhow::Result<airlock_capsule::Manifest> {
     let row = agents::get(pool, agent).await?.ok_or_else(|| anyhow::anyhow!("no agent {agent}"))?;
     let mut cap =
         store.get_checkpoint(agent)?.ok_or_else(|| anyhow::anyhow!("the store holds no checkpoint of {agent}"))?;
@@ -205,7 +205,7 @@ pub async fn get_agent(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     auth.require(Role::Operator)?;
-    let id = AgentId::parse(&id).map_err(|e| ApiError::Validation(e.to_string()))?;
+    let id = AgentId::parse(&id).map_err(|e| ApiError::validation(e.to_string()))?;
     let a = agents::get(&pool, &id).await?.ok_or_else(|| ApiError::not_found("agent"))?;
     Ok(Json(agent_view(&a)))
 }
@@ -222,12 +222,12 @@ fn migration_error(e: migrations::MigrationError) -> ApiError {
     use migrations::MigrationError as M;
     match e {
         M::Agent(agents::AgentError::NotFound(_)) => ApiError::not_found("agent"),
-        M::Agent(agents::AgentError::InvalidTransition(m)) => ApiError::InvalidTransition(m),
-        M::Queue(airlock_core::queue::QueueError::InvalidTransition { .. }) => {
-            ApiError::InvalidTransition("a migration of this agent is already under way".into())
+        M::Agent(agents::AgentError::InvalidTransition(m)) => ApiError::invalid_transition(m),
+        M::Queue(airlock_queue::QueueError::InvalidTransition { .. }) => {
+            ApiError::invalid_transition("a migration of this agent is already under way")
         }
-        M::Db(e) | M::Agent(agents::AgentError::Db(e)) => ApiError::Internal(e.into()),
-        other => ApiError::Internal(other.into()),
+        M::Db(e) | M::Agent(agents::AgentError::Db(e)) => ApiError::internal(e),
+        other => ApiError::internal(other),
     }
 }
 
@@ -243,10 +243,10 @@ pub async fn create_migration(
     JsonBody(body): JsonBody<MigrationBody>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let who = auth.require(Role::Operator)?;
-    let agent = AgentId::parse(&id).map_err(|e| ApiError::Validation(e.to_string()))?;
-    let target = NodeId::parse(&body.target_node).map_err(|e| ApiError::Validation(format!("target_node: {e}")))?;
+    let agent = AgentId::parse(&id).map_err(|e| ApiError::validation(e.to_string()))?;
+    let target = NodeId::parse(&body.target_node).map_err(|e| ApiError::validation(format!("target_node: {e}")))?;
     if !state.config.nodes.contains_key(target.as_str()) {
-        return Err(ApiError::Validation(format!("target_node: `{target}` is not a configured node (nodes.<id>.url)")));
+        return Err(ApiError::validation(format!("target_node: `{target}` is not a configured node (nodes.<id>.url)")));
     }
     let mut tx = state.pool.begin().await?;
     let m =

@@ -206,7 +206,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 anyhow::bail!("--reason must not be empty");
             }
             let mut tx = pool.begin().await?;
-            let job = airlock_core::queue::get(&mut *tx, job_id).await?;
+            let job = airlock_queue::get(&mut *tx, job_id).await?;
             airlock_core::audit::record_as(
                 &mut tx,
                 &cli_actor(),
@@ -221,8 +221,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             )
             .await?;
             match command {
-                JobsCommand::Retry { .. } => airlock_core::queue::retry_now(&mut *tx, job_id).await?,
-                JobsCommand::Cancel { .. } => airlock_core::queue::cancel(&mut *tx, job_id, reason).await?,
+                JobsCommand::Retry { .. } => airlock_queue::retry_now(&mut *tx, job_id).await?,
+                JobsCommand::Cancel { .. } => airlock_queue::cancel(&mut *tx, job_id, reason).await?,
             }
             tx.commit().await?;
             println!("{action} {id}");
@@ -242,9 +242,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve => {
             let listener = tokio::net::TcpListener::bind(cfg.admin.listen).await?;
             tracing::info!(listen = %listener.local_addr()?, "admin listening");
-            let shutdown = airlock_core::http::shutdown_on_signals()?;
+            let shutdown = airlock_core::shutdown::on_signals()?;
             let app = router(AppState { pool, config: std::sync::Arc::new(cfg) });
-            airlock_core::http::serve(listener, app, shutdown).await?;
+            airlock_http::serve(listener, app, shutdown).await?;
             Ok(())
         }
     }

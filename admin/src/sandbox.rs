@@ -6,13 +6,13 @@
 
 use std::fmt::Write as _;
 
-use airlock_core::http::{ApiError, Auth, JsonBody, Page, parse_id};
+use airlock_core::config::sandbox::Tiers;
 use airlock_core::principals::Role;
-use airlock_core::sandbox::report::{self, Report};
-use airlock_core::sandbox::service::{self, Choice};
-use airlock_core::sandbox::settings::Tiers;
-use airlock_core::sandbox::state::TaskState;
-use airlock_core::sandbox::{store, view};
+use airlock_http::{ApiError, Auth, JsonBody, Page, parse_id};
+use airlock_sandbox::report::{self, Report};
+use airlock_sandbox::service::{self, Choice};
+use airlock_sandbox::state::TaskState;
+use airlock_sandbox::{store, view};
 use axum::Json;
 use axum::extract::{Path, Query, State};
 use clap::Subcommand;
@@ -51,8 +51,8 @@ pub async fn choose(
     let choice = match (body.tier, body.deny) {
         (Some(t), false) => Choice::Tier(t),
         (None, true) => Choice::Deny,
-        (Some(_), true) => return Err(ApiError::Validation("tier: not with deny".into())),
-        (None, false) => return Err(ApiError::Validation("tier: required (or deny with a note)".into())),
+        (Some(_), true) => return Err(ApiError::validation("tier: not with deny")),
+        (None, false) => return Err(ApiError::validation("tier: required (or deny with a note)")),
     };
     let task = service::choose(&state.pool, &state.config.sandbox, who, id, &choice, body.note.as_deref()).await?;
     Ok(Json(view::task(&state.pool, &task, true).await?))
@@ -79,7 +79,7 @@ pub async fn list_tasks(
     let state = match q.state.as_deref() {
         None | Some("") => None,
         Some(s) => {
-            Some(TaskState::parse(s).ok_or_else(|| ApiError::Validation(format!("state: unknown state `{s}`")))?)
+            Some(TaskState::parse(s).ok_or_else(|| ApiError::validation(format!("state: unknown state `{s}`")))?)
         }
     };
     let after = decode_time_cursor(q.cursor.as_deref())?;
@@ -146,7 +146,7 @@ pub async fn get_report(
     auth.require(Role::Operator)?;
     let hours = q.since_hours.unwrap_or(DEFAULT_REPORT_HOURS);
     if hours == 0 || hours > MAX_REPORT_HOURS {
-        return Err(ApiError::Validation(format!("since_hours: between 1 and {MAX_REPORT_HOURS}")));
+        return Err(ApiError::validation(format!("since_hours: between 1 and {MAX_REPORT_HOURS}")));
     }
     Ok(Json(build_report(&state.pool, &state.config.sandbox.tiers, hours).await?))
 }

@@ -5,14 +5,14 @@
 use std::sync::Arc;
 
 use airlock_core::config::Config;
-use airlock_core::delivery::pipeline::{self, Resolution};
-use airlock_core::delivery::state::DeliveryState;
-use airlock_core::delivery::store::{self, Actor};
-use airlock_core::delivery::view;
-use airlock_core::grants;
-use airlock_core::http::{Access, ApiError, Auth, BearerAuth, JsonBody, Page, RouteRule, parse_id};
 use airlock_core::principals::Role;
-use airlock_core::queue::JobState;
+use airlock_delivery::grants;
+use airlock_delivery::pipeline::{self, Resolution};
+use airlock_delivery::state::DeliveryState;
+use airlock_delivery::store::{self, Actor};
+use airlock_delivery::view;
+use airlock_http::{Access, ApiError, Auth, BearerAuth, JsonBody, Page, RouteRule, parse_id};
+use airlock_queue::JobState;
 use axum::extract::{FromRef, Path, Query, State};
 use axum::{Json, Router};
 use base64::Engine;
@@ -31,7 +31,7 @@ pub struct AppState {
 }
 
 /// Who may call each route of this service: the one authorization table, enforced by
-/// [`airlock_core::http::authorize`] before any handler runs.
+/// [`airlock_http::authorize`] before any handler runs.
 pub const ROUTES: &[RouteRule] = &[
     RouteRule { method: "GET", path: "/admin/v1/deliveries", access: REVIEWER },
     RouteRule { method: "POST", path: "/admin/v1/deliveries/approve", access: REVIEWER },
@@ -109,13 +109,20 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
 
 /// The OpenAPI document of this service.
 pub fn openapi() -> utoipa::openapi::OpenApi {
-    airlock_core::http::assemble(documented_routes()).split_for_parts().1
+    airlock_http::assemble(documented_routes()).split_for_parts().1
 }
 
 /// The whole admin router.
 pub fn router(state: AppState) -> Router {
     let body_limit = state.config.delivery.max_artifact_bytes + 64 * 1024;
-    let (router, _) = airlock_core::http::finish("admin", documented_routes(), state.pool.clone(), ROUTES, body_limit);
+    let (router, _) = airlock_http::finish(
+        "admin",
+        documented_routes(),
+        state.pool.clone(),
+        ROUTES,
+        body_limit,
+        airlock_delivery::metrics::gauges,
+    );
     router.with_state(state)
 }
 
@@ -128,7 +135,7 @@ struct ListQuery {
 }
 
 pub(crate) fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
-    airlock_core::http::PageQuery { limit, cursor: None }.limit()
+    airlock_http::PageQuery { limit, cursor: None }.limit()
 }
 
 pub(crate) fn encode_cursor(s: &str) -> String {
@@ -141,9 +148,9 @@ pub(crate) fn decode_time_cursor(
 ) -> Result<Option<(chrono::DateTime<chrono::Utc>, uuid::Uuid)>, ApiError> {
     let Some(c) = cursor else { return Ok(None) };
     let raw = decode_cursor(c)?;
-    let (at, id) = raw.split_once('|').ok_or_else(|| ApiError::Validation("cursor: malformed".into()))?;
+    let (at, id) = raw.split_once('|').ok_or_else(|| ApiError::validation("cursor: malformed"))?;
     let at = chrono::DateTime::parse_from_rfc3339(at)
-        .map_err(|_| ApiError::Validation("cursor: malformed".into()))?
+        .map_err(|_| ApiError::validation("cursor: malformed"))?
         .with_timezone(&chrono::Utc);
     Ok(Some((at, parse_id(id)?)))
 }
@@ -166,7 +173,7 @@ pub(crate) fn decode_cursor(c: &str) -> Result<String, ApiError> {
         .decode(c)
         .ok()
         .and_then(|b| String::from_utf8(b).ok())
-        .ok_or_else(|| ApiError::Validation("cursor: not a cursor this service issued".into()))
+        .ok_or_else(|| ApiError::validation("cursor: not a cursor this service issued"))
 }
 
 #[utoipa::path(get, path = "/admin/v1/deliveries", params(ListQuery), responses((status = 200, description = "deliveries, oldest first")))]
@@ -180,7 +187,7 @@ async fn list_deliveries(
     let state = match q.state.as_deref() {
         None | Some("") => None,
         Some(s) => {
-            Some(DeliveryState::parse(s).ok_or_else(|| ApiError::Validation(format!("state: unknown state `{s}`")))?)
+            Some(DeliveryState::parse(s).ok_or_else(|| ApiError::validation(format!("state: unknown state `{s}`")))?)
         }
     };
     let after = decode_time_cursor(q.cursor.as_deref())?;
@@ -308,9 +315,8 @@ async fn resolve(
     JsonBody(body): JsonBody<ResolveBody>,
 ) -> Result<Json<Value>, ApiError> {
     let who = auth.require(Role::Reviewer)?;
-    let resolution = Resolution::parse(&body.resolution).ok_or_else(|| {
-        ApiError::Validation("resolution: must be \"confirmed_sent\", \"resend\" or \"cancel\"".into())
-    })?;
+    let resolution = Resolution::parse(&body.resolution)
+        .ok_or_else(|| ApiError::validation("resolution: must be \"confirmed_sent\", \"resend\" or \"cancel\""))?;
     let d =
         pipeline::resolve(&state.pool, &state.config, who, parse_id(&id)?, resolution, body.note.as_deref()).await?;
     full(&state.pool, &d).await
@@ -356,9 +362,7 @@ async fn list_audit(
     let limit = page_limit(q.limit)?;
     let before = match &q.cursor {
         None => None,
-        Some(c) => {
-            Some(decode_cursor(c)?.parse::<i64>().map_err(|_| ApiError::Validation("cursor: malformed".into()))?)
-        }
+        Some(c) => Some(decode_cursor(c)?.parse::<i64>().map_err(|_| ApiError::validation("cursor: malformed"))?),
     };
     let mut rows = airlock_core::audit::list(&pool, before, limit + 1).await?;
     let more = rows.len() as i64 > limit;
@@ -385,30 +389,28 @@ async fn list_jobs(
     auth.require(Role::Operator)?;
     let limit = page_limit(q.limit)?;
     if let Some(kind) = &q.kind {
-        airlock_core::http::printable("kind", kind)?;
+        airlock_http::printable("kind", kind)?;
     }
     let state = match q.state.as_deref() {
         None | Some("") => None,
-        Some(s) => Some(JobState::parse(s).ok_or_else(|| ApiError::Validation(format!("state: unknown state `{s}`")))?),
+        Some(s) => Some(JobState::parse(s).ok_or_else(|| ApiError::validation(format!("state: unknown state `{s}`")))?),
     };
     let after = match &q.cursor {
         None => None,
         Some(c) => Some(parse_id(&decode_cursor(c)?)?),
     };
-    let rows = airlock_core::queue::list(&pool, state, q.kind.as_deref(), after, limit + 1)
-        .await
-        .map_err(|e| ApiError::Internal(e.into()))?;
+    let rows = airlock_queue::list(&pool, state, q.kind.as_deref(), after, limit + 1).await?;
     let more = rows.len() as i64 > limit;
     let rows = &rows[..rows.len().min(limit as usize)];
     let next = if more { rows.last().map(|j| encode_cursor(&j.id.to_string())) } else { None };
-    let counts = airlock_core::queue::count_by_kind_state(&pool).await.map_err(|e| ApiError::Internal(e.into()))?;
+    let counts = airlock_queue::count_by_kind_state(&pool).await?;
     Ok(Json(json!({"items": rows, "next": next, "counts": counts})))
 }
 
 #[utoipa::path(get, path = "/admin/v1/workers", responses((status = 200, description = "the fleet")))]
 async fn list_workers(State(pool): State<PgPool>, auth: Auth) -> Result<Json<Value>, ApiError> {
     auth.require(Role::Operator)?;
-    let rows = airlock_core::fleet::list(&pool).await?;
+    let rows = airlock_queue::fleet::list(&pool).await?;
     Ok(Json(json!({"items": rows, "next": null})))
 }
 
@@ -455,7 +457,7 @@ async fn create_grant(
 ) -> Result<(axum::http::StatusCode, Json<grants::Grant>), ApiError> {
     let who = auth.require(Role::Operator)?;
     let mut tx = pool.begin().await?;
-    let g = grants::create(&mut tx, who, &body).await.map_err(grant_error)?;
+    let g = grants::create(&mut tx, who, &body).await?;
     tx.commit().await?;
     Ok((axum::http::StatusCode::CREATED, Json(g)))
 }
@@ -504,20 +506,11 @@ async fn revoke_grant(
 ) -> Result<Json<grants::Grant>, ApiError> {
     let who = auth.require(Role::Operator)?;
     if let Some(r) = &q.reason {
-        airlock_core::http::printable("reason", r)?;
+        airlock_http::printable("reason", r)?;
     }
     let reason = q.reason.as_deref().map(str::trim).filter(|r| !r.is_empty()).unwrap_or("revoked");
     let mut tx = pool.begin().await?;
-    let g = grants::revoke(&mut tx, who, parse_id(&id)?, reason).await.map_err(grant_error)?;
+    let g = grants::revoke(&mut tx, who, parse_id(&id)?, reason).await?;
     tx.commit().await?;
     Ok(Json(g))
-}
-
-fn grant_error(e: grants::GrantError) -> ApiError {
-    match e {
-        grants::GrantError::Invalid(m) => ApiError::Validation(m),
-        grants::GrantError::NotFound => ApiError::not_found("grant"),
-        e @ grants::GrantError::AlreadyRevoked => ApiError::InvalidTransition(e.to_string()),
-        grants::GrantError::Db(e) => ApiError::Internal(e.into()),
-    }
 }

@@ -7,11 +7,12 @@
 use std::sync::Arc;
 
 use airlock_core::config::Config;
-use airlock_core::delivery::pipeline::{self, Submission};
-use airlock_core::delivery::store::{self, Actor, Run};
-use airlock_core::delivery::view;
-use airlock_core::http::{Access, ApiError, Auth, BearerAuth, JsonBody, RouteRule, parse_id};
-use airlock_core::queue::Waker;
+use airlock_delivery::pipeline::{self, Submission};
+use airlock_delivery::store::{self, Actor};
+use airlock_delivery::view;
+use airlock_http::{Access, ApiError, Auth, BearerAuth, JsonBody, RouteRule, parse_id};
+use airlock_queue::Waker;
+use airlock_runs::Run;
 use axum::extract::{FromRef, Path, State};
 use axum::http::StatusCode;
 use axum::{Json, Router};
@@ -43,7 +44,7 @@ impl AppState {
 }
 
 /// Who may call each route of this service: the one authorization table, enforced by
-/// [`airlock_core::http::authorize`] before any handler runs.
+/// [`airlock_http::authorize`] before any handler runs.
 pub const ROUTES: &[RouteRule] = &[
     RouteRule { method: "POST", path: "/v1/runs", access: Access::Agent },
     RouteRule { method: "GET", path: "/v1/runs/{id}", access: Access::Agent },
@@ -80,14 +81,21 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
 
 /// The OpenAPI document of this service.
 pub fn openapi() -> utoipa::openapi::OpenApi {
-    airlock_core::http::assemble(documented_routes()).split_for_parts().1
+    airlock_http::assemble(documented_routes()).split_for_parts().1
 }
 
 /// The whole agent router.
 pub fn router(state: AppState) -> Router {
     // Room for the artifact plus the request's own members; larger bodies are 413.
     let body_limit = state.config.delivery.max_artifact_bytes + 64 * 1024;
-    let (router, _) = airlock_core::http::finish("api", documented_routes(), state.pool.clone(), ROUTES, body_limit);
+    let (router, _) = airlock_http::finish(
+        "api",
+        documented_routes(),
+        state.pool.clone(),
+        ROUTES,
+        body_limit,
+        airlock_delivery::metrics::gauges,
+    );
     router.with_state(state)
 }
 
@@ -136,13 +144,18 @@ async fn create_run(
     let agent = auth.agent()?;
     let b = &req.budget;
     if b.max_steps < 0 || b.max_tokens < 0 || b.max_cost_micros < 0 {
-        return Err(ApiError::Validation("budget: limits must be 0 (unlimited) or positive".into()));
+        return Err(ApiError::validation("budget: limits must be 0 (unlimited) or positive"));
     }
     let inputs = req.inputs.unwrap_or_else(|| json!({}));
     if !inputs.is_object() {
-        return Err(ApiError::Validation("inputs: must be a JSON object".into()));
+        return Err(ApiError::validation("inputs: must be a JSON object"));
     }
-    let run = store::insert_run(&pool, agent, &inputs, (b.max_steps, b.max_tokens, b.max_cost_micros)).await?;
+    let limits = airlock_runs::store::Limits {
+        max_steps: b.max_steps,
+        max_tokens: b.max_tokens,
+        max_cost_micros: b.max_cost_micros,
+    };
+    let run = airlock_runs::store::insert(&pool, agent, &inputs, limits).await?;
     Ok((StatusCode::CREATED, Json(run_json(&run))))
 }
 
@@ -151,7 +164,9 @@ async fn create_run(
     responses((status = 200, description = "the run"), (status = 404, description = "no such run of this agent")))]
 async fn get_run(State(pool): State<PgPool>, auth: Auth, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let agent = auth.agent()?;
-    let run = store::get_run(&pool, parse_id(&id)?, agent).await?.ok_or_else(|| ApiError::not_found("run"))?;
+    let run = airlock_runs::store::get(&pool, parse_id(&id)?.into(), agent)
+        .await?
+        .ok_or_else(|| ApiError::not_found("run"))?;
     Ok(Json(run_json(&run)))
 }
 

@@ -11,8 +11,8 @@ async fn main() -> anyhow::Result<()> {
     airlock_core::db::migrate(&pool).await?;
     let listener = tokio::net::TcpListener::bind(cfg.api.listen).await?;
     tracing::info!(listen = %listener.local_addr()?, "api listening");
-    let shutdown = airlock_core::http::shutdown_on_signals()?;
+    let shutdown = airlock_core::shutdown::on_signals()?;
     let app = router(AppState::new(pool, std::sync::Arc::new(cfg)));
-    airlock_core::http::serve(listener, app, shutdown).await?;
+    airlock_http::serve(listener, app, shutdown).await?;
     Ok(())
 }

@@ -5,10 +5,10 @@
 //! write, so a refused request leaves no rows; whether the agent may have the tier, the
 //! context or the secrets it asks for is decided (and logged) by the `sandbox.select` job.
 
-use airlock_core::http::{ApiError, Auth, JsonBody, parse_id};
-use airlock_core::sandbox::service;
-use airlock_core::sandbox::spec::{TaskBody, TaskRequest};
-use airlock_core::sandbox::{store, view};
+use airlock_http::{ApiError, Auth, JsonBody, parse_id};
+use airlock_sandbox::service;
+use airlock_sandbox::spec::{TaskBody, TaskRequest};
+use airlock_sandbox::{store, view};
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -29,7 +29,7 @@ pub async fn create_task(
     JsonBody(body): JsonBody<TaskBody>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let agent = auth.agent()?;
-    let req = TaskRequest::parse(body, &state.config.sandbox).map_err(ApiError::Validation)?;
+    let req = TaskRequest::parse(body, &state.config.sandbox).map_err(ApiError::validation)?;
     let task = service::submit(&state.pool, &auth.0, agent, &req).await?;
     Ok((StatusCode::CREATED, Json(json!({"id": task.id, "state": task.state}))))
 }

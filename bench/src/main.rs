@@ -169,10 +169,10 @@ async fn fill(pool: &PgPool, n: i64) -> anyhow::Result<()> {
     let mut left = n;
     while left > 0 {
         let k = left.min(5000);
-        let jobs: Vec<airlock_core::queue::NewJob> =
-            (0..k).map(|_| airlock_core::queue::NewJob::new("diag.sleep", json!({"ms": 0})).queue("bench")).collect();
+        let jobs: Vec<airlock_queue::NewJob> =
+            (0..k).map(|_| airlock_queue::NewJob::new("diag.sleep", json!({"ms": 0})).queue("bench")).collect();
         let mut tx = pool.begin().await?;
-        airlock_core::queue::enqueue_many(&mut tx, &jobs).await?;
+        airlock_queue::enqueue_many(&mut tx, &jobs).await?;
         tx.commit().await?;
         left -= k;
     }
@@ -236,7 +236,7 @@ async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_row
     }
     fill(&db.pool, n).await?;
     sqlx::query("ANALYZE jobs").execute(&db.pool).await?;
-    airlock_core::queue::pause_queue(&db.pool, "bench", "bench start").await?;
+    airlock_queue::pause_queue(&db.pool, "bench", "bench start").await?;
     let (claim, complete) = if batched { ("100", "100") } else { ("1", "1") };
     let env = vec![
         ("DATABASE_URL", db.url.clone()),
@@ -259,7 +259,7 @@ async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_row
     .await?;
     let before = count(&db.pool, "SELECT count(*) FROM jobs WHERE state = 'completed'").await?;
     let start = db_clock(&db.pool).await?;
-    airlock_core::queue::resume_queue(&db.pool, "bench").await?;
+    airlock_queue::resume_queue(&db.pool, "bench").await?;
     // Poll what is left through the partial indexes (a count of completed rows would scan
     // the growing table and slow the very drain it measures), then check nothing was lost.
     // The drain ends when its last job was completed, on the database's clock.
@@ -301,11 +301,8 @@ async fn enqueue_rates(args: &Args) -> anyhow::Result<(f64, f64)> {
         handles.push(tokio::spawn(async move {
             for _ in 0..single_n / 10 {
                 let mut tx = pool.begin().await?;
-                airlock_core::queue::enqueue(
-                    &mut tx,
-                    &airlock_core::queue::NewJob::new("diag.sleep", json!({})).queue("x"),
-                )
-                .await?;
+                airlock_queue::enqueue(&mut tx, &airlock_queue::NewJob::new("diag.sleep", json!({})).queue("x"))
+                    .await?;
                 tx.commit().await?;
             }
             anyhow::Ok(())
@@ -340,11 +337,8 @@ async fn latency(args: &Args, rate: u64, seconds: u64) -> anyhow::Result<(f64, f
     for _ in 0..total {
         tick.tick().await;
         let mut tx = db.pool.begin().await?;
-        airlock_core::queue::enqueue(
-            &mut tx,
-            &airlock_core::queue::NewJob::new("diag.sleep", json!({"ms": 0})).queue("bench"),
-        )
-        .await?;
+        airlock_queue::enqueue(&mut tx, &airlock_queue::NewJob::new("diag.sleep", json!({"ms": 0})).queue("bench"))
+            .await?;
         tx.commit().await?;
     }
     wait_until(&db.pool, "SELECT count(*) FROM jobs WHERE state = 'completed'", total as i64, Duration::from_secs(120))

@@ -2,9 +2,11 @@
 //!
 //! Counters and histograms are recorded where things happen (the worker runtime, the send
 //! path, the HTTP layer); gauges of queue depth, deliveries by state and the send switch
-//! are sampled from Postgres when `/metrics` is scraped, so every process reports the
-//! same, current picture.
+//! are sampled from Postgres when `/metrics` is scraped (by the [`Gauges`] of the crates
+//! that own those tables), so every process reports the same, current picture.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -62,27 +64,15 @@ pub fn install() -> &'static PrometheusHandle {
     })
 }
 
-/// Samples the gauges from the database, then renders everything in Prometheus text.
-pub async fn render(pool: &PgPool) -> String {
+/// Samples gauges from the database into the recorder: each crate that owns a table
+/// whose figures are gauges provides one (queue depth, deliveries by state, the switch).
+pub type Gauges = for<'a> fn(&'a PgPool) -> Pin<Box<dyn Future<Output = Result<(), sqlx::Error>> + Send + 'a>>;
+
+/// Samples the gauges, then renders everything in Prometheus text.
+pub async fn render(pool: &PgPool, gauges: Gauges) -> String {
     let handle = install();
-    if let Err(e) = sample(pool).await {
+    if let Err(e) = gauges(pool).await {
         tracing::warn!(error = %e, "sampling gauges for /metrics failed");
     }
     handle.render()
-}
-
-async fn sample(pool: &PgPool) -> Result<(), sqlx::Error> {
-    let depth: Vec<(String, String, i64)> =
-        sqlx::query_as("SELECT kind, state::text, count(*) FROM jobs GROUP BY kind, state").fetch_all(pool).await?;
-    for (kind, state, n) in depth {
-        metrics::gauge!(QUEUE_DEPTH, "kind" => kind, "state" => state).set(n as f64);
-    }
-    let deliveries: Vec<(String, i64)> =
-        sqlx::query_as("SELECT state::text, count(*) FROM deliveries GROUP BY state").fetch_all(pool).await?;
-    for (state, n) in deliveries {
-        metrics::gauge!(DELIVERIES, "state" => state).set(n as f64);
-    }
-    let on: bool = sqlx::query_scalar("SELECT send_enabled FROM settings WHERE id = 1").fetch_one(pool).await?;
-    metrics::gauge!(SEND_ENABLED).set(if on { 1.0 } else { 0.0 });
-    Ok(())
 }

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use airlock_core::config::Config;
-use airlock_core::delivery::state::DeliveryState;
 use airlock_core::principals::{self, Role};
+use airlock_delivery::state::DeliveryState;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -105,8 +105,8 @@ impl TestApp {
             pool: pool.clone(),
             config: config.clone(),
         });
-        tokio::spawn(airlock_core::http::serve(api_listener, api_router, stop.clone()));
-        tokio::spawn(airlock_core::http::serve(admin_listener, admin_router, stop.clone()));
+        tokio::spawn(airlock_http::serve(api_listener, api_router, stop.clone()));
+        tokio::spawn(airlock_http::serve(admin_listener, admin_router, stop.clone()));
 
         let token = |name: &'static str, role: Role, agent: Option<&'static str>| {
             let pool = pool.clone();

@@ -7,17 +7,18 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use airlock_core::capsule::env::{EnvSpec, MapKeyring};
-use airlock_core::capsule::files::{CapsuleFiles, Parts};
-use airlock_core::capsule::journal::{EventKind, Journal};
-use airlock_core::capsule::migrations::{self, Migration, Phase};
-use airlock_core::capsule::protocol::{
+use airlock_capsule::env::EnvSpec;
+use airlock_capsule::files::{CapsuleFiles, Parts};
+use airlock_capsule::journal::{EventKind, Journal};
+use airlock_capsule::migrations::{self, Migration, Phase};
+use airlock_capsule::protocol::{
     CallError, FreezeReply, HaveBlobsReply, HolderState, HttpNode, NodeApi, NodeCall, NodeDirectory, NodeFuture,
     NodeStatus, PrepareRequest,
 };
-use airlock_core::capsule::store::DirStore;
-use airlock_core::capsule::verify::{VerifyOptions, verify_path};
-use airlock_core::capsule::{AgentId, NodeId};
+use airlock_capsule::store::DirStore;
+use airlock_capsule::verify::{VerifyOptions, verify_path};
+use airlock_capsule::{AgentId, NodeId};
+use airlock_core::secret::MapKeyring;
 use airlock_core::secret::Secret;
 use airlock_worker::migrate::{MigrateHandler, MigrateHooks};
 use airlock_worker::node::{NodeService, NodeSettings};

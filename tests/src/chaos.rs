@@ -25,12 +25,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use airlock_core::artifact::Artifact;
 use airlock_core::config::Config;
-use airlock_core::delivery::pipeline::{self, Submission};
-use airlock_core::delivery::store;
-use airlock_core::grants::{self, NewGrant};
 use airlock_core::principals::{self, Principal, Role};
+use airlock_delivery::artifact::Artifact;
+use airlock_delivery::grants::{self, NewGrant};
+use airlock_delivery::pipeline::{self, Submission};
 use anyhow::Context as _;
 use serde_json::json;
 use sqlx::PgPool;
@@ -265,7 +264,7 @@ pub async fn run(cfg: &ChaosConfig) -> anyhow::Result<Summary> {
     let (operator, _) = principals::create(&pool, "chaos-operator", Role::Operator, None).await?;
     create_grants(&pool, &operator, agent_id, &hooks.origin(), cfg.deliveries).await?;
     pipeline::set_send_enabled(&pool, &operator, true, Some("chaos run")).await?;
-    let run_row = store::insert_run(&pool, agent_id, &json!({"chaos": cfg.seed}), (0, 0, 0)).await?;
+    let run_row = airlock_runs::store::insert(&pool, agent_id, &json!({"chaos": cfg.seed}), Default::default()).await?;
 
     smtp.set_random_faults(cfg.smtp_fault_p, cfg.seed);
     let mut fleet = Fleet { bin: cfg.worker_bin.clone(), env, log_dir: cfg.log_dir.clone(), started: 0 };
@@ -276,7 +275,7 @@ pub async fn run(cfg: &ChaosConfig) -> anyhow::Result<Summary> {
     let retries = Arc::new(AtomicUsize::new(0));
     let producer = {
         let (pool, config, hooks_origin) = (pool.clone(), Arc::new(config.clone()), hooks.origin());
-        let waker = airlock_core::queue::Waker::new(pool.clone());
+        let waker = airlock_queue::Waker::new(pool.clone());
         let (submitted, retries, n) = (submitted.clone(), retries.clone(), cfg.deliveries);
         let next = Arc::new(AtomicUsize::new(0));
         let mut tasks = tokio::task::JoinSet::new();
@@ -290,11 +289,14 @@ pub async fn run(cfg: &ChaosConfig) -> anyhow::Result<Summary> {
                     if i >= n {
                         return Ok::<(), anyhow::Error>(());
                     }
-                    let artifact = artifact(&config, &hooks_origin, run_row.id, i)?;
+                    let artifact = artifact(&config, &hooks_origin, run_row.id.uuid(), i)?;
                     let mut tries = 0;
                     loop {
-                        let s =
-                            Submission { run_id: run_row.id, step_id: format!("step-{i}"), artifact: artifact.clone() };
+                        let s = Submission {
+                            run_id: run_row.id.uuid(),
+                            step_id: format!("step-{i}"),
+                            artifact: artifact.clone(),
+                        };
                         match pipeline::submit(&pool, &config, &waker, agent_id, s).await {
                             Ok(_) => break,
                             Err(e) if tries < 600 => {

@@ -30,8 +30,8 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use airlock_core::delivery::state::DeliveryState;
-use airlock_core::delivery::store::{self, Event};
+use airlock_delivery::state::DeliveryState;
+use airlock_delivery::store::{self, Event};
 use serde_json::Value;
 use sqlx::{FromRow, PgPool, Row};
 use uuid::Uuid;

@@ -8,7 +8,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, ExitStatus};
 use std::time::{Duration, Instant};
 
-use airlock_core::delivery::state::DeliveryState;
+use airlock_delivery::state::DeliveryState;
 use reqwest::StatusCode;
 use serde_json::json;
 use sqlx::PgPool;

@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use airlock_core::capsule::migrations::{self, Phase};
-use airlock_core::capsule::protocol::NodeCall;
-use airlock_core::capsule::{AgentId, agents};
+use airlock_capsule::migrations::{self, Phase};
+use airlock_capsule::protocol::NodeCall;
+use airlock_capsule::{AgentId, agents};
 use airlock_tests::app::TestApp;
 use airlock_tests::capsule::{Fleet, When, wait_migration};
 use airlock_worker::migrate::MigrateHooks;
@@ -67,7 +67,7 @@ fn sampler(fleet: &Fleet, agent: &str) -> (Arc<AtomicUsize>, tokio_util::sync::C
             let mut active = 0;
             for svc in &svcs {
                 let st = svc.status(&id).await.unwrap();
-                if st.reconciled && st.state == Some(airlock_core::capsule::protocol::HolderState::Active) {
+                if st.reconciled && st.state == Some(airlock_capsule::protocol::HolderState::Active) {
                     active += 1;
                 }
             }
@@ -214,7 +214,7 @@ async fn every_call_fails_before_and_after(pool: PgPool) {
     for entry in std::fs::read_dir(fleet.node(TARGET).data_dir.join("blobs")).unwrap() {
         let p = entry.unwrap().path();
         let name = p.file_name().unwrap().to_string_lossy().to_string();
-        assert_eq!(airlock_core::capsule::sha256_hex(&std::fs::read(&p).unwrap()), name);
+        assert_eq!(airlock_capsule::sha256_hex(&std::fs::read(&p).unwrap()), name);
     }
     rows.push(row);
 
@@ -278,7 +278,7 @@ async fn the_coordinator_killed_after_every_phase_is_finished_by_another(pool: P
             .await
             .unwrap();
         let mut tx = pool.begin().await.unwrap();
-        let rescued = airlock_core::queue::rescue_expired(&mut tx, 10).await.unwrap();
+        let rescued = airlock_queue::rescue_expired(&mut tx, 10).await.unwrap();
         tx.commit().await.unwrap();
         assert_eq!(rescued.len(), 1);
         sqlx::query("UPDATE jobs SET run_at = now() WHERE id = $1").bind(job).execute(&pool).await.unwrap();

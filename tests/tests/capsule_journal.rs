@@ -3,7 +3,7 @@
 //! appends as itself, and copies sync by merging), then merged in every order.
 #![allow(clippy::unwrap_used)]
 
-use airlock_core::capsule::journal::{EventKind, Journal, JournalError, merge};
+use airlock_capsule::journal::{EventKind, Journal, JournalError, merge};
 use proptest::prelude::*;
 use serde_json::json;
 

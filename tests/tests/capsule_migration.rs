@@ -7,12 +7,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use airlock_core::capsule::journal::EventKind;
-use airlock_core::capsule::migrations::Phase;
-use airlock_core::capsule::protocol::{self, AppendRequest, CallError, HolderState, HttpNode, NodeApi, NodeCall};
-use airlock_core::capsule::store::CapsuleStore;
-use airlock_core::capsule::verify::{VerifyOptions, verify_path};
-use airlock_core::capsule::{AgentId, CapsuleFiles};
+use airlock_capsule::journal::EventKind;
+use airlock_capsule::migrations::Phase;
+use airlock_capsule::protocol::{self, AppendRequest, CallError, HolderState, HttpNode, NodeApi, NodeCall};
+use airlock_capsule::store::CapsuleStore;
+use airlock_capsule::verify::{VerifyOptions, verify_path};
+use airlock_capsule::{AgentId, CapsuleFiles};
 use airlock_core::secret::Secret;
 use airlock_tests::app::TestApp;
 use airlock_tests::capsule::{FLEET_SECRET, Fleet, wait_migration, wait_phase};
@@ -248,7 +248,7 @@ async fn a_node_that_lost_its_holder_record_waits_to_be_reconciled(pool: PgPool)
     worker.abort();
     let _ = worker.await;
     stop.cancel();
-    let m = airlock_core::capsule::migrations::get(&pool, mid).await.unwrap().unwrap();
+    let m = airlock_capsule::migrations::get(&pool, mid).await.unwrap().unwrap();
     assert_eq!(m.phase, Phase::Activating);
     let b = client(&fleet, "node_b");
     assert!(b.activate(&id, m.epoch).await.unwrap().is_active_at(m.epoch));
@@ -262,7 +262,7 @@ async fn a_node_that_lost_its_holder_record_waits_to_be_reconciled(pool: PgPool)
         .await
         .unwrap();
     let mut tx = pool.begin().await.unwrap();
-    airlock_core::queue::rescue_expired(&mut tx, 10).await.unwrap();
+    airlock_queue::rescue_expired(&mut tx, 10).await.unwrap();
     tx.commit().await.unwrap();
     sqlx::query("UPDATE jobs SET run_at = now() WHERE id = $1").bind(m.job_id.unwrap()).execute(&pool).await.unwrap();
     let (_stop2, _worker2) = fleet.start_coordinator(&pool, &app.config, "coordinator-2", Arc::default());

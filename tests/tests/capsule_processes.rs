@@ -6,10 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use airlock_core::capsule::AgentId;
-use airlock_core::capsule::journal::EventKind;
-use airlock_core::capsule::protocol::{AppendRequest, HolderState, HttpNode, NodeApi};
-use airlock_core::capsule::store::DirStore;
+use airlock_capsule::AgentId;
+use airlock_capsule::journal::EventKind;
+use airlock_capsule::protocol::{AppendRequest, HolderState, HttpNode, NodeApi};
+use airlock_capsule::store::DirStore;
 use airlock_core::secret::Secret;
 use airlock_tests::app::{TempDir, TestApp};
 use airlock_tests::capsule::{FLEET_SECRET, FLEET_SECRET_ENV, SECRET_NAME, sample_capsule_variant, wait_migration};

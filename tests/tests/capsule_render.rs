@@ -7,8 +7,8 @@
 
 use std::path::PathBuf;
 
-use airlock_core::capsule::journal::{Event, EventKind, Journal};
-use airlock_core::capsule::render::{self, DIGEST_TOKENS, MISSING_RESULT, Provider, estimate_tokens, fit};
+use airlock_capsule::journal::{Event, EventKind, Journal};
+use airlock_capsule::render::{self, DIGEST_TOKENS, MISSING_RESULT, Provider, estimate_tokens, fit};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 

@@ -5,9 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use airlock_core::delivery::state::DeliveryState;
-use airlock_core::policy;
-use airlock_core::queue::{self, ClaimFilter};
+use airlock_delivery::policy;
+use airlock_delivery::state::DeliveryState;
+use airlock_queue::{self as queue, ClaimFilter};
 use airlock_tests::app::TestApp;
 use airlock_tests::smtp::Fault;
 use reqwest::StatusCode;
@@ -65,7 +65,7 @@ async fn happy_path_through_http_waits_for_the_switch_and_sends_once(pool: PgPoo
     assert_eq!(received.len(), 1, "exactly one message at the relay");
     let expected_id = policy::message_id(
         d["idempotency_key"].as_str().unwrap(),
-        &airlock_core::artifact::EmailAddress::parse("agent@example.com").unwrap(),
+        &airlock_delivery::artifact::EmailAddress::parse("agent@example.com").unwrap(),
     );
     assert_eq!(
         received[0].message_id.as_deref().map(|m| m.trim_matches(|c| c == '<' || c == '>')),
@@ -102,8 +102,8 @@ async fn happy_path_through_http_waits_for_the_switch_and_sends_once(pool: PgPoo
     assert_eq!(v["state"], "sent");
     assert!(v.get("artifact").is_none());
     let uuid = uuid::Uuid::parse_str(&id).unwrap();
-    let evs = airlock_core::delivery::store::events(&app.pool, uuid).await.unwrap();
-    assert_eq!(airlock_core::delivery::store::verify_chain(uuid, &evs), None);
+    let evs = airlock_delivery::store::events(&app.pool, uuid).await.unwrap();
+    assert_eq!(airlock_delivery::store::verify_chain(uuid, &evs), None);
 
     // Every human action is in the audit log.
     let (s, audit) = app.call("GET", &format!("{}/admin/v1/audit", app.admin), Some(&app.operator), None).await;
@@ -651,12 +651,12 @@ async fn tls_is_required_and_verified(pool: PgPool) {
     smtp.tls = airlock_core::config::SmtpTls::None;
     smtp.allow_plaintext_loopback = true;
     assert!(matches!(
-        airlock_core::channels::email::SmtpSender::from_config(&smtp),
-        Err(airlock_core::channels::email::SmtpSetupError::PlaintextRefused)
+        airlock_channels::email::SmtpSender::from_config(&smtp),
+        Err(airlock_channels::email::SmtpSetupError::PlaintextRefused)
     ));
     smtp.host = "127.0.0.1".into();
     smtp.allow_plaintext_loopback = false;
-    assert!(airlock_core::channels::email::SmtpSender::from_config(&smtp).is_err(), "needs the explicit flag");
+    assert!(airlock_channels::email::SmtpSender::from_config(&smtp).is_err(), "needs the explicit flag");
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
@@ -665,19 +665,19 @@ async fn a_relay_without_starttls_gets_nothing(pool: PgPool) {
     let plain = airlock_tests::smtp::SmtpServer::start(airlock_tests::smtp::SmtpOptions::plain()).await.unwrap();
     let mut cfg = (*app.config).clone();
     cfg.smtp.port = plain.port();
-    let sender = airlock_core::channels::email::SmtpSender::from_config(&cfg.smtp).unwrap();
-    let email = match airlock_core::artifact::Artifact::from_json(
+    let sender = airlock_channels::email::SmtpSender::from_config(&cfg.smtp).unwrap();
+    let email = match airlock_delivery::artifact::Artifact::from_json(
         &json!({"channel": "email", "email": {"from": "agent@example.com", "to": ["a@example.org"], "subject": "s", "text": "t"}}),
         &Default::default(),
     )
     .unwrap()
     {
-        airlock_core::artifact::Artifact::Email { email } => email,
+        airlock_delivery::artifact::Artifact::Email { email } => email,
         _ => unreachable!(),
     };
-    let (env, bytes) = airlock_core::channels::email::build_message(&email, "<k@example.com>").unwrap();
+    let (env, bytes) = airlock_channels::email::build_message(&email, "<k@example.com>").unwrap();
     let outcome = sender.send(&env, &bytes).await;
-    assert!(matches!(outcome, airlock_core::channels::EffectOutcome::NotDelivered { .. }), "{outcome:?}");
+    assert!(matches!(outcome, airlock_delivery::outcome::EffectOutcome::NotDelivered { .. }), "{outcome:?}");
     assert!(plain.accepted().is_empty());
 }
 
@@ -744,9 +744,9 @@ async fn switch_off_during_a_burst_stops_new_sends(pool: PgPool) {
 /// and under the held lease both go through.
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn send_transactions_write_nothing_under_a_lost_lease(pool: PgPool) {
-    use airlock_core::channels::EffectOutcome;
-    use airlock_core::delivery::pipeline::{self, PipelineError, SendStart};
-    use airlock_core::queue::{Lease, QueueError};
+    use airlock_delivery::outcome::EffectOutcome;
+    use airlock_delivery::pipeline::{self, PipelineError, SendStart};
+    use airlock_queue::{Lease, QueueError};
 
     let app = TestApp::start(pool, &[]).await;
     let (stop, worker) = app.start_worker("w-score");
@@ -851,10 +851,10 @@ async fn smtp_connections_are_reused_and_a_closed_one_is_replaced(pool: PgPool) 
 /// under the lost lease, the cancelled delivery is not started, the others go through.
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn sends_started_and_recorded_together_write_what_one_by_one_would(pool: PgPool) {
-    use airlock_core::channels::EffectOutcome;
-    use airlock_core::delivery::pipeline::{self, PipelineError, SendOutcome, SendStart};
-    use airlock_core::delivery::store::{self, Actor};
-    use airlock_core::queue::{Lease, QueueError};
+    use airlock_delivery::outcome::EffectOutcome;
+    use airlock_delivery::pipeline::{self, PipelineError, SendOutcome, SendStart};
+    use airlock_delivery::store::{self, Actor};
+    use airlock_queue::{Lease, QueueError};
     use uuid::Uuid;
 
     let app = TestApp::start(pool, &[]).await;
@@ -947,7 +947,7 @@ async fn sends_started_and_recorded_together_write_what_one_by_one_would(pool: P
     store::transition(
         &mut tx,
         &d,
-        airlock_core::delivery::state::Action::Cancel,
+        airlock_delivery::state::Action::Cancel,
         &Actor::system("test"),
         Some("x"),
         json!({}),

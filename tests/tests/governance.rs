@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use airlock_core::delivery::state::DeliveryState;
+use airlock_delivery::state::DeliveryState;
 use airlock_tests::app::TestApp;
 use airlock_tests::harness;
 use reqwest::StatusCode;
@@ -187,7 +187,7 @@ async fn racing_workers_never_overspend_a_grant(pool: PgPool) {
     // And directly: 40 concurrent transactions racing for a grant of 5.
     sqlx::query("DELETE FROM approvals").execute(&app.pool).await.ok();
     let g = create_grant(&app, grant(&["race.example"], 5, 0.0)).await;
-    let artifact = airlock_core::artifact::Artifact::from_json(
+    let artifact = airlock_delivery::artifact::Artifact::from_json(
         &json!({"channel": "email", "email": {"from": "agent@example.com", "to": ["x@race.example"], "subject": "s", "text": "t"}}),
         &Default::default(),
     )
@@ -198,7 +198,7 @@ async fn racing_workers_never_overspend_a_grant(pool: PgPool) {
         let artifact = artifact.clone();
         tasks.push(tokio::spawn(async move {
             let mut tx = pool.begin().await.unwrap();
-            let got = airlock_core::grants::try_use(&mut tx, "agent-1", &artifact, 1.0).await.unwrap();
+            let got = airlock_delivery::grants::try_use(&mut tx, "agent-1", &artifact, 1.0).await.unwrap();
             tx.commit().await.unwrap();
             got
         }));
@@ -360,15 +360,15 @@ async fn revoked_tokens_are_refused_at_once(pool: PgPool) {
 /// chain intact, and nothing written under a lost lease.
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
-    use airlock_core::delivery::pipeline::{self, PipelineError};
-    use airlock_core::delivery::store;
-    use airlock_core::queue::{self, ClaimFilter, Lease, QueueError};
-    use airlock_core::scoring::DefaultScorer;
+    use airlock_delivery::pipeline::{self, PipelineError};
+    use airlock_delivery::scoring::DefaultScorer;
+    use airlock_delivery::store;
+    use airlock_queue::{self as queue, ClaimFilter, Lease, QueueError};
     use uuid::Uuid;
 
     let app = TestApp::start(pool, &[]).await;
     let scorer = DefaultScorer::new(app.config.delivery.known_domains.clone());
-    let waker = airlock_core::queue::Waker::new(app.pool.clone());
+    let waker = airlock_queue::Waker::new(app.pool.clone());
     let run = app.create_run(0).await;
     let claim = |n: i64| {
         let app = &app;

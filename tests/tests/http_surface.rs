@@ -5,8 +5,8 @@
 
 use std::collections::BTreeSet;
 
-use airlock_core::http::{Access, RouteRule};
 use airlock_core::principals::Role;
+use airlock_http::{Access, RouteRule};
 use airlock_tests::app::TestApp;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use airlock_core::delivery::state::DeliveryState;
+use airlock_delivery::state::DeliveryState;
 use airlock_tests::app::TestApp;
 use airlock_tests::harness::{self, KillOnDrop};
 use reqwest::StatusCode;
@@ -156,14 +156,13 @@ fn the_compose_file_names_every_service_and_valid_configuration() {
 async fn operators_retry_and_cancel_jobs_from_the_command_line(pool: PgPool) {
     let url = harness::database_url(&pool);
     let mut tx = pool.begin().await.unwrap();
-    let job =
-        airlock_core::queue::enqueue(&mut tx, &airlock_core::queue::NewJob::new("diag.sleep", serde_json::json!({})))
-            .await
-            .unwrap();
+    let job = airlock_queue::enqueue(&mut tx, &airlock_queue::NewJob::new("diag.sleep", serde_json::json!({})))
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     let claimed =
-        airlock_core::queue::claim_batch(&pool, "w", &Default::default(), 1, Duration::from_secs(30)).await.unwrap();
-    airlock_core::queue::fail(&pool, claimed[0].lease(), "boom", true, None).await.unwrap();
+        airlock_queue::claim_batch(&pool, "w", &Default::default(), 1, Duration::from_secs(30)).await.unwrap();
+    airlock_queue::fail(&pool, claimed[0].lease(), "boom", true, None).await.unwrap();
 
     let id = job.id.to_string();
     let out = harness::spawn("airlock-admin", &["jobs", "retry", &id], &url, &[]).wait_with_output().unwrap();
@@ -172,12 +171,12 @@ async fn operators_retry_and_cancel_jobs_from_the_command_line(pool: PgPool) {
         .wait_with_output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(airlock_core::queue::get(&pool, job.id).await.unwrap().state, airlock_core::queue::JobState::Available);
+    assert_eq!(airlock_queue::get(&pool, job.id).await.unwrap().state, airlock_queue::JobState::Available);
     let out = harness::spawn("airlock-admin", &["jobs", "cancel", &id, "--reason", "not needed"], &url, &[])
         .wait_with_output()
         .unwrap();
     assert!(out.status.success());
-    assert_eq!(airlock_core::queue::get(&pool, job.id).await.unwrap().state, airlock_core::queue::JobState::Cancelled);
+    assert_eq!(airlock_queue::get(&pool, job.id).await.unwrap().state, airlock_queue::JobState::Cancelled);
     let actions: Vec<(String, String)> =
         sqlx::query_as("SELECT action, reason FROM audit_log ORDER BY id").fetch_all(&pool).await.unwrap();
     assert_eq!(

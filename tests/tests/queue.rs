@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use airlock_core::queue::{self, ClaimFilter, EffectClass, FailOutcome, JobState, NewJob, QueueError};
+use airlock_queue::{self as queue, ClaimFilter, EffectClass, FailOutcome, JobState, NewJob, QueueError};
 use serde_json::json;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;

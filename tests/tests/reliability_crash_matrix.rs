@@ -18,8 +18,8 @@
 
 use std::time::Duration;
 
-use airlock_core::delivery::state::DeliveryState;
 use airlock_core::fault::POINTS;
+use airlock_delivery::state::DeliveryState;
 use airlock_tests::app::TestApp;
 use airlock_tests::harness::{self, KillOnDrop};
 use airlock_tests::{invariants, reliability};

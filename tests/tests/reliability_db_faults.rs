@@ -18,7 +18,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use airlock_core::delivery::state::DeliveryState;
+use airlock_delivery::state::DeliveryState;
 use airlock_tests::app::{TestApp, WEBHOOK_SECRET};
 use airlock_tests::harness::{self, KillOnDrop};
 use airlock_tests::pgproxy::PgProxy;

@@ -5,9 +5,9 @@
 
 mod sandbox_support;
 
-use airlock_core::queue::{self, JobState};
-use airlock_core::sandbox::state::TaskState;
-use airlock_core::sandbox::store;
+use airlock_queue::{self as queue, JobState};
+use airlock_sandbox::state::TaskState;
+use airlock_sandbox::store;
 use airlock_tests::app::TestApp;
 use reqwest::StatusCode;
 use sandbox_support::{assert_invariants, choose, create, post, view, wait_state};

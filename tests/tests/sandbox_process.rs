@@ -9,9 +9,9 @@ mod sandbox_support;
 
 use std::time::Duration;
 
-use airlock_core::queue::{self, JobState};
-use airlock_core::sandbox::state::TaskState;
-use airlock_core::sandbox::store;
+use airlock_queue::{self as queue, JobState};
+use airlock_sandbox::state::TaskState;
+use airlock_sandbox::store;
 use airlock_tests::app::TestApp;
 use airlock_tests::harness::{self, KillOnDrop};
 use nix::sys::signal::Signal;

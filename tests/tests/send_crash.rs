@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use airlock_core::delivery::state::DeliveryState;
+use airlock_delivery::state::DeliveryState;
 use airlock_tests::app::TestApp;
 use airlock_tests::harness::{self, KillOnDrop};
 use nix::sys::signal::Signal;

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use airlock_core::queue::{self, EffectClass, JobState, NewJob};
+use airlock_queue::{self as queue, EffectClass, JobState, NewJob};
 use airlock_tests::harness::{self, KillOnDrop};
 use nix::sys::signal::Signal;
 use serde_json::json;

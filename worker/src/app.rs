@@ -3,12 +3,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use airlock_core::channels::email::SmtpSender;
-use airlock_core::channels::webhook::{WebhookSender, WebhookSetupError};
+use airlock_channels::email::SmtpSender;
+use airlock_channels::webhook::{WebhookSender, WebhookSetupError};
 use airlock_core::config::Config;
-use airlock_core::delivery::pipeline::{SCORE_JOB, SEND_JOB};
-use airlock_core::scoring::DefaultScorer;
 use airlock_core::secret::Secret;
+use airlock_delivery::pipeline::{SCORE_JOB, SEND_JOB};
+use airlock_delivery::scoring::DefaultScorer;
 use tokio_util::sync::CancellationToken;
 
 use crate::delivery::{ScoreHandler, SendHandler};
@@ -57,7 +57,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> anyhow::Result<()>
     if let Some(addr) = cfg.worker.metrics_listen {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         tracing::info!(listen = %listener.local_addr()?, "worker health and metrics listening");
-        tokio::spawn(airlock_core::http::serve(listener, ops_router(pool.clone()), shutdown.clone()));
+        tokio::spawn(airlock_http::serve(listener, ops_router(pool.clone()), shutdown.clone()));
     }
     let node = crate::node::start_from_config(&cfg, &pool, &shutdown).await?;
     let result = Worker::new(pool, registry, settings).run(shutdown).await;
@@ -72,8 +72,8 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> anyhow::Result<()>
 pub fn ops_router(pool: sqlx::PgPool) -> axum::Router {
     airlock_core::metrics::install();
     let (router, _) = utoipa_axum::router::OpenApiRouter::new()
-        .merge(airlock_core::http::health_routes())
-        .routes(utoipa_axum::routes!(airlock_core::http::metrics_text))
+        .merge(airlock_http::health_routes())
+        .routes(utoipa_axum::routes!(airlock_http::metrics_text))
         .split_for_parts();
-    router.with_state(pool)
+    router.layer(axum::Extension::<airlock_core::metrics::Gauges>(airlock_delivery::metrics::gauges)).with_state(pool)
 }

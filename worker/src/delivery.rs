@@ -7,17 +7,17 @@
 
 use std::sync::Arc;
 
-use airlock_core::artifact::Artifact;
-use airlock_core::channels::EffectOutcome;
-use airlock_core::channels::email::{SmtpSender, build_message};
-use airlock_core::channels::webhook::WebhookSender;
+use airlock_channels::email::{SmtpSender, build_message};
+use airlock_channels::webhook::WebhookSender;
 use airlock_core::config::Config;
-use airlock_core::delivery::pipeline::{self, PipelineError, SendOutcome, SendStart};
-use airlock_core::delivery::state::DeliveryState;
 use airlock_core::fault;
-use airlock_core::policy;
-use airlock_core::queue::{self, Lease, Rescued, Waker};
-use airlock_core::scoring::Scorer;
+use airlock_delivery::artifact::Artifact;
+use airlock_delivery::outcome::EffectOutcome;
+use airlock_delivery::pipeline::{self, PipelineError, SendOutcome, SendStart};
+use airlock_delivery::policy;
+use airlock_delivery::scoring::Scorer;
+use airlock_delivery::state::DeliveryState;
+use airlock_queue::{self as queue, Lease, Rescued, Waker};
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 

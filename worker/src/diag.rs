@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use airlock_core::queue;
+use airlock_queue as queue;
 
 use crate::handler::{HandlerError, JobContext, Outcome, Registry};
 

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use airlock_core::queue::{Job, Lease, Rescued};
+use airlock_queue::{Job, Lease, Rescued};
 use sqlx::{PgPool, Postgres, Transaction};
 use tokio_util::sync::CancellationToken;
 

@@ -15,6 +15,6 @@ async fn main() -> anyhow::Result<()> {
     airlock_core::telemetry::init();
     airlock_core::fault::arm_from_env().map_err(anyhow::Error::msg)?;
     let cfg = airlock_core::config::Config::load()?;
-    let shutdown = airlock_core::http::shutdown_on_signals()?;
+    let shutdown = airlock_core::shutdown::on_signals()?;
     airlock_worker::app::run(cfg, shutdown).await
 }

@@ -19,17 +19,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use airlock_core::capsule::migrations::{self, Changes, Migration, MigrationError, Phase};
-use airlock_core::capsule::protocol::{CallError, HolderState, NodeApi, NodeDirectory, PrepareRequest};
-use airlock_core::capsule::store::{CapsuleStore, DirStore};
-use airlock_core::capsule::{AgentId, CapsuleFiles, agents};
+use airlock_capsule::migrations::{self, Changes, Migration, MigrationError, Phase};
+use airlock_capsule::protocol::{CallError, HolderState, NodeApi, NodeDirectory, PrepareRequest};
+use airlock_capsule::store::{CapsuleStore, DirStore};
+use airlock_capsule::{AgentId, CapsuleFiles, agents};
 use airlock_core::config::Config;
 use serde_json::json;
 use uuid::Uuid;
 
 use crate::handler::{BoxFuture, Handler, HandlerError, JobContext, Outcome, Registry};
 
-pub use airlock_core::capsule::migrations::MIGRATE_JOB;
+pub use airlock_capsule::migrations::MIGRATE_JOB;
 
 /// Test hooks: no-ops unless a test installs them.
 #[derive(Default)]
@@ -100,7 +100,7 @@ enum StepError {
     #[error(transparent)]
     Db(#[from] sqlx::Error),
     #[error(transparent)]
-    Queue(#[from] airlock_core::queue::QueueError),
+    Queue(#[from] airlock_queue::QueueError),
     #[error("{0}")]
     Permanent(String),
 }
@@ -340,7 +340,7 @@ impl MigrateHandler {
                 )
                 .await?;
                 agents::finish_migration(&mut *tx, &agent, &done.target_node, done.epoch, None).await?;
-                airlock_core::queue::complete(&mut *tx, ctx.lease()).await?;
+                airlock_queue::complete(&mut *tx, ctx.lease()).await?;
                 tx.commit().await?;
                 tracing::info!(holder = %m.target_node, epoch = m.epoch, "migration completed");
                 Ok(Step::Finalized)
@@ -378,7 +378,7 @@ impl MigrateHandler {
                 )
                 .await?;
                 agents::abort_migration(&mut *tx, &agent).await?;
-                airlock_core::queue::complete(&mut *tx, ctx.lease()).await?;
+                airlock_queue::complete(&mut *tx, ctx.lease()).await?;
                 tx.commit().await?;
                 tracing::info!("migration aborted; the source runs at its old epoch");
                 Ok(Step::Finalized)

@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use airlock_core::fault;
-use airlock_core::queue::{self, ClaimFilter, ClaimFrom, Job, Lease, QueueError, RescueCounts};
 use airlock_core::sync::lock;
+use airlock_queue::{self as queue, ClaimFilter, ClaimFrom, Job, Lease, QueueError, RescueCounts};
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
@@ -169,7 +169,7 @@ impl Worker {
     /// Runs until `shutdown` fires, then drains and returns.
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let s = &self.settings;
-        airlock_core::fleet::register(&self.pool, &s.id, &hostname(), s.queues.as_deref(), s.concurrency as i32)
+        airlock_queue::fleet::register(&self.pool, &s.id, &hostname(), s.queues.as_deref(), s.concurrency as i32)
             .await?;
         tracing::info!(worker.id = %s.id, concurrency = s.concurrency, "worker started");
 
@@ -399,7 +399,7 @@ impl Worker {
         background.cancel();
         while loops.join_next().await.is_some() {}
         queue_pool.close().await;
-        if let Err(e) = airlock_core::fleet::mark_stopped(&self.pool, &s.id).await {
+        if let Err(e) = airlock_queue::fleet::mark_stopped(&self.pool, &s.id).await {
             tracing::warn!(error = %e, "could not mark the worker stopped");
         }
         tracing::info!(worker.id = %s.id, "worker stopped");
@@ -997,7 +997,7 @@ async fn heartbeat_loop(
             Err(e) => tracing::warn!(error = %e, "lease heartbeat failed"),
         }
         let n = lock(&in_flight).len() as i32;
-        if let Err(e) = airlock_core::fleet::heartbeat(&pool, &s.id, n).await {
+        if let Err(e) = airlock_queue::fleet::heartbeat(&pool, &s.id, n).await {
             tracing::warn!(error = %e, "worker heartbeat failed");
         }
     }

@@ -11,15 +11,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use airlock_core::capsule::env::{EnvKeyring, FileKeyring, Keyring};
 use airlock_core::config::Config;
-use airlock_core::queue::{EffectClass, Rescued};
-use airlock_core::sandbox::SandboxError;
-use airlock_core::sandbox::context;
-use airlock_core::sandbox::local::LocalProvider;
-use airlock_core::sandbox::provider::{Provider, ProviderError, RunSpec};
-use airlock_core::sandbox::service::{self, RunStart};
-use airlock_core::sandbox::store;
+use airlock_core::secret::Keyring;
+use airlock_queue::{EffectClass, Rescued};
+use airlock_sandbox::SandboxError;
+use airlock_sandbox::context;
+use airlock_sandbox::local::LocalProvider;
+use airlock_sandbox::provider::{Provider, ProviderError, RunSpec};
+use airlock_sandbox::service::{self, RunStart};
+use airlock_sandbox::store;
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
@@ -27,10 +27,7 @@ use crate::handler::{BoxFuture, Handler, HandlerError, JobContext, Outcome, Regi
 
 /// Registers both kinds with the built-in `local` provider and the host keyring.
 pub fn register(r: &mut Registry, cfg: &Arc<Config>, worker_id: &str) {
-    let keyring: Arc<dyn Keyring> = match &cfg.capsules.keyring_file {
-        Some(path) => Arc::new(FileKeyring { path: path.into() }),
-        None => Arc::new(EnvKeyring { prefix: cfg.capsules.keyring_env_prefix.clone() }),
-    };
+    let keyring = airlock_core::secret::host_keyring(&cfg.capsules);
     let provider = Arc::new(LocalProvider::new(&cfg.sandbox.work_dir));
     register_with(r, cfg, worker_id, provider, keyring);
 }

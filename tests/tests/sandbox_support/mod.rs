@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use airlock_core::sandbox::state::TaskState;
-use airlock_core::sandbox::store;
+use airlock_sandbox::state::TaskState;
+use airlock_sandbox::store;
 use airlock_tests::app::TestApp;
 use airlock_tests::harness;
 use reqwest::StatusCode;

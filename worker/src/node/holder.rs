@@ -15,8 +15,8 @@
 
 use std::path::{Path, PathBuf};
 
-use airlock_core::capsule::protocol::HolderState;
-use airlock_core::capsule::{AgentId, fsio};
+use airlock_capsule::protocol::HolderState;
+use airlock_capsule::{AgentId, fsio};
 use serde::{Deserialize, Serialize};
 
 /// One agent's record on this node.
@@ -47,7 +47,7 @@ impl HolderRecord {
             seen_epoch: seen_epoch.max(epoch),
             prepared: false,
             previous: None,
-            updated_at: airlock_core::capsule::files::now_rfc3339(),
+            updated_at: airlock_capsule::files::now_rfc3339(),
         }
     }
 }
@@ -92,7 +92,7 @@ pub fn read(layout: &Layout, id: &AgentId) -> std::io::Result<Option<HolderRecor
 /// Replaces a record atomically.
 pub fn write(layout: &Layout, record: &HolderRecord) -> std::io::Result<()> {
     let mut r = record.clone();
-    r.updated_at = airlock_core::capsule::files::now_rfc3339();
+    r.updated_at = airlock_capsule::files::now_rfc3339();
     let bytes = serde_json::to_vec_pretty(&r).map_err(std::io::Error::other)?;
     fsio::write_atomic(&layout.record(&record.agent_id), &bytes)
 }
@@ -100,5 +100,5 @@ pub fn write(layout: &Layout, record: &HolderRecord) -> std::io::Result<()> {
 /// The epoch in a working copy's manifest, if it has a readable one.
 pub fn work_epoch(dir: &Path) -> Option<i64> {
     let bytes = std::fs::read(dir.join("manifest.json")).ok()?;
-    airlock_core::capsule::Manifest::parse(&bytes).ok().map(|m| m.epoch)
+    airlock_capsule::Manifest::parse(&bytes).ok().map(|m| m.epoch)
 }

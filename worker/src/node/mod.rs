@@ -21,14 +21,15 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use airlock_core::capsule::env::{self, Keyring};
-use airlock_core::capsule::files::{CapsuleFiles, DirBlobs};
-use airlock_core::capsule::journal::EventKind;
-use airlock_core::capsule::protocol::{FreezeReply, HaveBlobsReply, HolderState, NodeStatus, PrepareRequest};
-use airlock_core::capsule::render::{self, Provider};
-use airlock_core::capsule::store::{self, CapsuleStore};
-use airlock_core::capsule::verify::{self, VerifyOptions};
-use airlock_core::capsule::{AgentId, NodeId, agents, fsio, is_sha256_hex, sha256_hex};
+use airlock_capsule::env;
+use airlock_capsule::files::{CapsuleFiles, DirBlobs};
+use airlock_capsule::journal::EventKind;
+use airlock_capsule::protocol::{FreezeReply, HaveBlobsReply, HolderState, NodeStatus, PrepareRequest};
+use airlock_capsule::render::{self, Provider};
+use airlock_capsule::store::{self, CapsuleStore};
+use airlock_capsule::verify::{self, VerifyOptions};
+use airlock_capsule::{AgentId, NodeId, agents, fsio, is_sha256_hex, sha256_hex};
+use airlock_core::secret::Keyring;
 use airlock_core::secret::Secret;
 use airlock_core::sync::lock;
 
@@ -503,9 +504,9 @@ impl NodeService {
         let work = self.layout.work(id);
         let (mut cap, _) = CapsuleFiles::read_dir(&work).map_err(internal)?;
         let mut journal = cap.journal().map_err(internal)?;
-        let event = journal.append(self.id.as_str(), kind, data, &airlock_core::capsule::files::now_rfc3339()).clone();
+        let event = journal.append(self.id.as_str(), kind, data, &airlock_capsule::files::now_rfc3339()).clone();
         cap.set_journal(&journal);
-        let path = airlock_core::capsule::journal::PATH;
+        let path = airlock_capsule::journal::PATH;
         fsio::write_atomic(&work.join(path), &cap.files[path]).map_err(internal)?;
         fsio::write_atomic(&work.join("manifest.json"), &cap.manifest.to_bytes()).map_err(internal)?;
         serde_json::to_value(event).map_err(internal)
@@ -572,10 +573,7 @@ pub async fn start_from_config(
     let secret = airlock_core::secret::from_env(&cfg.capsules.fleet_secret_env).ok_or_else(|| {
         anyhow::anyhow!("worker.node_id is set but the fleet secret `{}` is not", cfg.capsules.fleet_secret_env)
     })?;
-    let keyring: Arc<dyn Keyring> = match &cfg.capsules.keyring_file {
-        Some(path) => Arc::new(env::FileKeyring { path: path.into() }),
-        None => Arc::new(env::EnvKeyring { prefix: cfg.capsules.keyring_env_prefix.clone() }),
-    };
+    let keyring = airlock_core::secret::host_keyring(&cfg.capsules);
     let settings = NodeSettings {
         node_id: NodeId::parse(id)?,
         data_dir: cfg.worker.data_dir.clone().into(),

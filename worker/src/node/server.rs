@@ -1,4 +1,4 @@
-//! The node protocol over HTTP (see `airlock_core::capsule::protocol` for the routes).
+//! The node protocol over HTTP (see `airlock_capsule::protocol` for the routes).
 //!
 //! Every route but `/healthz` requires a valid request signature with a fresh timestamp;
 //! every authenticated answer is signed back, so the coordinator can trust it. Errors are
@@ -6,12 +6,12 @@
 
 use std::sync::Arc;
 
-use airlock_core::capsule::AgentId;
-use airlock_core::capsule::protocol::{
+use airlock_capsule::AgentId;
+use airlock_capsule::protocol::{
     self, AppendRequest, EpochRequest, HaveBlobsRequest, PrepareRequest, RESPONSE_METHOD, SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
 };
-use airlock_core::http::JsonBody;
+use airlock_http::JsonBody;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderValue, StatusCode};
@@ -75,7 +75,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    airlock_core::http::serve(listener, router(svc), shutdown).await
+    airlock_http::serve(listener, router(svc), shutdown).await
 }
 
 async fn authenticate(State(svc): Svc, req: Request, next: Next) -> Response {
@@ -118,7 +118,7 @@ async fn sign_response(svc: &NodeService, pq: &str, resp: Response) -> Response 
 
 type Reply<T> = Result<Json<T>, NodeError>;
 
-fn json_body<T>(b: Result<JsonBody<T>, airlock_core::http::ApiError>) -> Result<T, NodeError> {
+fn json_body<T>(b: Result<JsonBody<T>, airlock_http::ApiError>) -> Result<T, NodeError> {
     b.map(|JsonBody(v)| v).map_err(|e| NodeError::Validation(e.to_string()))
 }
 
@@ -129,7 +129,7 @@ async fn status(State(svc): Svc, Path(id): Path<String>) -> Reply<protocol::Node
 async fn freeze(
     State(svc): Svc,
     Path(id): Path<String>,
-    body: Result<JsonBody<EpochRequest>, airlock_core::http::ApiError>,
+    body: Result<JsonBody<EpochRequest>, airlock_http::ApiError>,
 ) -> Reply<protocol::FreezeReply> {
     let b = json_body(body)?;
     Ok(Json(svc.freeze(&agent(&id)?, b.epoch).await?))
@@ -138,7 +138,7 @@ async fn freeze(
 async fn propose(
     State(svc): Svc,
     Path(id): Path<String>,
-    body: Result<JsonBody<EpochRequest>, airlock_core::http::ApiError>,
+    body: Result<JsonBody<EpochRequest>, airlock_http::ApiError>,
 ) -> Reply<protocol::NodeStatus> {
     let b = json_body(body)?;
     Ok(Json(svc.propose(&agent(&id)?, b.epoch).await?))
@@ -147,7 +147,7 @@ async fn propose(
 async fn have_blobs(
     State(svc): Svc,
     Path(id): Path<String>,
-    body: Result<JsonBody<HaveBlobsRequest>, airlock_core::http::ApiError>,
+    body: Result<JsonBody<HaveBlobsRequest>, airlock_http::ApiError>,
 ) -> Reply<protocol::HaveBlobsReply> {
     let b = json_body(body)?;
     Ok(Json(svc.have_blobs(&agent(&id)?, b.epoch, &b.hashes).await?))
@@ -171,7 +171,7 @@ async fn put_blob(
 async fn prepare(
     State(svc): Svc,
     Path(id): Path<String>,
-    body: Result<JsonBody<PrepareRequest>, airlock_core::http::ApiError>,
+    body: Result<JsonBody<PrepareRequest>, airlock_http::ApiError>,
 ) -> Reply<protocol::NodeStatus> {
     let b = json_body(body)?;
     Ok(Json(svc.prepare(&agent(&id)?, b).await?))
@@ -180,7 +180,7 @@ async fn prepare(
 async fn activate(
     State(svc): Svc,
     Path(id): Path<String>,
-    body: Result<JsonBody<EpochRequest>, airlock_core::http::ApiError>,
+    body: Result<JsonBody<EpochRequest>, airlock_http::ApiError>,
 ) -> Reply<protocol::NodeStatus> {
     let b = json_body(body)?;
     Ok(Json(svc.activate(&agent(&id)?, b.epoch).await?))
@@ -189,7 +189,7 @@ async fn activate(
 async fn abort(
     State(svc): Svc,
     Path(id): Path<String>,
-    body: Result<JsonBody<EpochRequest>, airlock_core::http::ApiError>,
+    body: Result<JsonBody<EpochRequest>, airlock_http::ApiError>,
 ) -> Reply<protocol::NodeStatus> {
     let b = json_body(body)?;
     Ok(Json(svc.abort(&agent(&id)?, b.epoch).await?))
@@ -198,7 +198,7 @@ async fn abort(
 async fn retire(
     State(svc): Svc,
     Path(id): Path<String>,
-    body: Result<JsonBody<EpochRequest>, airlock_core::http::ApiError>,
+    body: Result<JsonBody<EpochRequest>, airlock_http::ApiError>,
 ) -> Reply<protocol::NodeStatus> {
     let b = json_body(body)?;
     Ok(Json(svc.retire(&agent(&id)?, b.epoch).await?))
@@ -207,7 +207,7 @@ async fn retire(
 async fn resume(
     State(svc): Svc,
     Path(id): Path<String>,
-    body: Result<JsonBody<EpochRequest>, airlock_core::http::ApiError>,
+    body: Result<JsonBody<EpochRequest>, airlock_http::ApiError>,
 ) -> Reply<protocol::NodeStatus> {
     let b = json_body(body)?;
     Ok(Json(svc.resume(&agent(&id)?, b.epoch).await?))
@@ -216,7 +216,7 @@ async fn resume(
 async fn append(
     State(svc): Svc,
     Path(id): Path<String>,
-    body: Result<JsonBody<AppendRequest>, airlock_core::http::ApiError>,
+    body: Result<JsonBody<AppendRequest>, airlock_http::ApiError>,
 ) -> Reply<serde_json::Value> {
     let b = json_body(body)?;
     Ok(Json(svc.append(&agent(&id)?, b.kind, b.data).await?))

@@ -1,0 +1,609 @@
+//! Typed, layered configuration.
+//!
+//! Layers, lowest first: built-in defaults, the TOML file named by `AIRLOCK_CONFIG`, then
+//! environment variables `AIRLOCK__SECTION__KEY` (lists comma-separated). `DATABASE_URL`
+//! is an alias of `AIRLOCK__DATABASE__URL` (the latter wins when both are set).
+//! Unknown keys and invalid values are refused at start with a message naming the key.
+//! Secrets are never configuration values: the configuration names the environment
+//! variables that hold them.
+
+pub mod sandbox;
+
+use std::net::{IpAddr, SocketAddr};
+
+use serde::Deserialize;
+
+use crate::secret::Secret;
+
+/// Keys whose environment values are comma-separated lists.
+const LIST_KEYS: &[&str] = &["worker.queues", "delivery.senders", "delivery.webhook_origins", "delivery.known_domains"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration: {0}")]
+    Load(#[from] config::ConfigError),
+    #[error("configuration key `{key}`: {message}")]
+    Invalid { key: &'static str, message: String },
+}
+
+fn invalid(key: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key, message: message.into() }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub database: DatabaseConfig,
+    #[serde(default)]
+    pub api: ListenConfig<ApiDefault>,
+    #[serde(default)]
+    pub admin: ListenConfig<AdminDefault>,
+    #[serde(default)]
+    pub smtp: SmtpConfig,
+    #[serde(default)]
+    pub delivery: DeliveryConfig,
+    #[serde(default)]
+    pub scoring: ScoringConfig,
+    #[serde(default)]
+    pub review: ReviewConfig,
+    #[serde(default)]
+    pub worker: WorkerConfig,
+    #[serde(default)]
+    pub retention: RetentionConfig,
+    #[serde(default)]
+    pub capsules: CapsulesConfig,
+    /// Peers that host agents, by node id (`nodes.<id>.url`).
+    #[serde(default)]
+    pub nodes: std::collections::BTreeMap<String, NodePeerConfig>,
+    /// Sandbox tiers, per-agent scopes and selection rules; resolved and checked while
+    /// parsing (see [`sandbox`]).
+    #[serde(default)]
+    pub sandbox: sandbox::SandboxConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatabaseConfig {
+    /// Postgres URL. Required; it may carry a password, so it is held as a secret.
+    #[serde(deserialize_with = "de_secret")]
+    pub url: Secret,
+    pub max_connections: u32,
+    pub acquire_timeout_seconds: u64,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        Self { url: Secret::new(""), max_connections: 16, acquire_timeout_seconds: 10 }
+    }
+}
+
+fn de_secret<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Secret, D::Error> {
+    String::deserialize(d).map(Secret::new)
+}
+
+/// Supplies the default listen address of one service.
+pub trait DefaultListen {
+    const ADDR: &'static str;
+}
+#[derive(Debug, Clone)]
+pub struct ApiDefault;
+impl DefaultListen for ApiDefault {
+    const ADDR: &'static str = "127.0.0.1:7070";
+}
+#[derive(Debug, Clone)]
+pub struct AdminDefault;
+impl DefaultListen for AdminDefault {
+    const ADDR: &'static str = "127.0.0.1:7071";
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenConfig<D: DefaultListen> {
+    pub listen: SocketAddr,
+    #[serde(skip)]
+    _d: std::marker::PhantomData<D>,
+}
+
+impl<D: DefaultListen> Default for ListenConfig<D> {
+    fn default() -> Self {
+        Self { listen: D::ADDR.parse().expect("built-in listen address parses"), _d: std::marker::PhantomData }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SmtpTls {
+    /// STARTTLS, and refuse a server that does not offer it.
+    Required,
+    /// Implicit TLS from the first byte (port 465).
+    Wrapper,
+    /// Plaintext: only to a loopback host with `allow_plaintext_loopback`.
+    None,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SmtpConfig {
+    pub host: String,
+    pub port: u16,
+    pub tls: SmtpTls,
+    pub allow_plaintext_loopback: bool,
+    /// Extra trusted CA certificate (PEM), beside the system roots.
+    pub ca_file: Option<String>,
+    /// Name of the environment variable holding the SMTP user name, if the relay wants AUTH.
+    pub username_env: Option<String>,
+    /// Name of the environment variable holding the SMTP password.
+    pub password_env: Option<String>,
+    pub timeout_seconds: u64,
+    /// The name this client gives in EHLO.
+    pub helo_name: Option<String>,
+    /// Connections a worker keeps open between messages, to save a TCP and TLS handshake
+    /// per message; 0 opens a connection for every message.
+    pub max_idle_connections: usize,
+    /// How long an open connection may wait for the next message before it is closed.
+    pub idle_timeout_seconds: u64,
+}
+
+impl Default for SmtpConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 587,
+            tls: SmtpTls::Required,
+            allow_plaintext_loopback: false,
+            ca_file: None,
+            username_env: None,
+            password_env: None,
+            timeout_seconds: 30,
+            helo_name: None,
+            max_idle_connections: 4,
+            idle_timeout_seconds: 10,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeliveryConfig {
+    /// Verified From addresses (`agent@example.com`) or whole domains (`@example.com`).
+    pub senders: Vec<String>,
+    /// Allowed webhook origins, `https://host[:port]`.
+    pub webhook_origins: Vec<String>,
+    pub webhook_allow_plaintext_loopback: bool,
+    /// Name of the environment variable holding the webhook signing secret.
+    pub webhook_secret_env: String,
+    pub webhook_timeout_seconds: u64,
+    /// Domains the scorer treats as known recipients.
+    pub known_domains: Vec<String>,
+    /// Upper bound on an artifact's serialized size.
+    pub max_artifact_bytes: usize,
+    pub max_recipients: usize,
+    /// Attempts of a send job before the delivery fails.
+    pub max_send_attempts: i32,
+}
+
+impl Default for DeliveryConfig {
+    fn default() -> Self {
+        Self {
+            senders: Vec::new(),
+            webhook_origins: Vec::new(),
+            webhook_allow_plaintext_loopback: false,
+            webhook_secret_env: "AIRLOCK_WEBHOOK_SECRET".into(),
+            webhook_timeout_seconds: 15,
+            known_domains: Vec::new(),
+            max_artifact_bytes: 256 * 1024,
+            max_recipients: 50,
+            max_send_attempts: 8,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScoringConfig {
+    pub review_threshold: f64,
+}
+
+impl Default for ScoringConfig {
+    fn default() -> Self {
+        Self { review_threshold: 0.7 }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReviewConfig {
+    /// Whoever edited an artifact version cannot approve that version.
+    pub four_eyes: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    pub concurrency: usize,
+    /// Most jobs one claim takes (0: as many as `concurrency`); more than `concurrency`
+    /// prefetches into a local buffer.
+    pub claim_batch: usize,
+    /// Most completions recorded by one statement (1: each on its own).
+    pub complete_batch: usize,
+    pub lease_seconds: u64,
+    /// Queues to claim from; empty means all.
+    pub queues: Vec<String>,
+    /// Fallback poll when no notification arrives.
+    pub poll_interval_ms: u64,
+    /// How long in-flight jobs may run on after SIGTERM before they are abandoned.
+    pub shutdown_grace_seconds: u64,
+    pub rescue_interval_seconds: u64,
+    /// Seconds between worker-row heartbeats.
+    pub heartbeat_seconds: u64,
+    /// Registers the `diag.*` job kinds used to check a fleet end to end.
+    pub diagnostic_jobs: bool,
+    /// Where the worker serves `/healthz`, `/readyz` and `/metrics`; unset serves nothing.
+    pub metrics_listen: Option<SocketAddr>,
+    /// When set, this worker also hosts agents as this node (see `capsules`).
+    pub node_id: Option<String>,
+    /// Where the node protocol listens (only with `node_id`).
+    pub node_listen: SocketAddr,
+    /// Where a node keeps its holder records and agents' working copies.
+    pub data_dir: String,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            concurrency: 8,
+            claim_batch: 0,
+            complete_batch: 100,
+            lease_seconds: 30,
+            queues: Vec::new(),
+            poll_interval_ms: 1000,
+            shutdown_grace_seconds: 20,
+            rescue_interval_seconds: 5,
+            heartbeat_seconds: 5,
+            diagnostic_jobs: false,
+            metrics_listen: None,
+            node_id: None,
+            node_listen: "127.0.0.1:7072".parse().expect("built-in listen address parses"),
+            data_dir: "data/node".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetentionConfig {
+    /// Completed and cancelled jobs older than this are deleted; 0 keeps them forever.
+    pub completed_jobs_hours: u64,
+    pub interval_seconds: u64,
+    pub batch_size: i64,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        Self { completed_jobs_hours: 24, interval_seconds: 60, batch_size: 5000 }
+    }
+}
+
+impl Config {
+    /// Loads the configuration from `AIRLOCK_CONFIG` and the environment.
+    pub fn load() -> Result<Self, ConfigError> {
+        let file = std::env::var("AIRLOCK_CONFIG").ok().filter(|f| !f.is_empty());
+        let vars: Vec<(String, String)> = std::env::vars().collect();
+        Self::from_sources(file.as_deref(), &vars)
+    }
+
+    /// Loads from an optional TOML file and a list of environment variables (tests pass
+    /// their own list rather than mutate the process environment).
+    pub fn from_sources(file: Option<&str>, vars: &[(String, String)]) -> Result<Self, ConfigError> {
+        let mut builder = config::Config::builder();
+        if let Some(path) = file {
+            builder = builder.add_source(config::File::new(path, config::FileFormat::Toml).required(true));
+        }
+        let env: std::collections::HashMap<String, String> = vars.iter().cloned().collect();
+        if let Some(url) = env.get("DATABASE_URL").filter(|u| !u.is_empty()) {
+            builder = builder.set_override("database.url", url.clone())?;
+        }
+        let mut source = config::Environment::with_prefix("AIRLOCK")
+            .prefix_separator("__")
+            .separator("__")
+            .list_separator(",")
+            .try_parsing(true)
+            .source(Some(env.clone()));
+        for key in LIST_KEYS {
+            source = source.with_list_parse_key(key);
+        }
+        builder = builder.add_source(source);
+        if let Some(url) = env.get("AIRLOCK__DATABASE__URL").filter(|u| !u.is_empty()) {
+            builder = builder.set_override("database.url", url.clone())?;
+        }
+        let cfg: Config = builder.build()?.try_deserialize()?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.database.url.expose().is_empty() {
+            return Err(invalid("database.url", "is required (or set DATABASE_URL)"));
+        }
+        if !self.database.url.expose().starts_with("postgres://")
+            && !self.database.url.expose().starts_with("postgresql://")
+        {
+            return Err(invalid("database.url", "must be a postgres:// URL"));
+        }
+        if self.database.max_connections < 2 {
+            return Err(invalid("database.max_connections", "must be at least 2"));
+        }
+        if self.worker.concurrency == 0 || self.worker.concurrency > 1000 {
+            return Err(invalid("worker.concurrency", "must be between 1 and 1000"));
+        }
+        if self.worker.claim_batch > 10_000 {
+            return Err(invalid("worker.claim_batch", "must be at most 10000"));
+        }
+        if self.worker.complete_batch > 10_000 {
+            return Err(invalid("worker.complete_batch", "must be at most 10000"));
+        }
+        if self.worker.lease_seconds < 3 {
+            return Err(invalid("worker.lease_seconds", "must be at least 3"));
+        }
+        if self.worker.poll_interval_ms == 0 {
+            return Err(invalid("worker.poll_interval_ms", "must be positive"));
+        }
+        if !(0.0..=1.0).contains(&self.scoring.review_threshold) {
+            return Err(invalid("scoring.review_threshold", "must be between 0 and 1"));
+        }
+        if self.smtp.tls == SmtpTls::None {
+            if !self.smtp.allow_plaintext_loopback {
+                return Err(invalid(
+                    "smtp.tls",
+                    "`none` requires smtp.allow_plaintext_loopback = true and a loopback host",
+                ));
+            }
+            if !is_loopback_host(&self.smtp.host) {
+                return Err(invalid("smtp.tls", "`none` is only allowed to a loopback host"));
+            }
+        }
+        for s in &self.delivery.senders {
+            let ok = match s.strip_prefix('@') {
+                Some(domain) => !domain.is_empty() && !domain.contains('@'),
+                None => s.split_once('@').is_some_and(|(l, d)| !l.is_empty() && !d.is_empty()),
+            };
+            if !ok {
+                return Err(invalid("delivery.senders", format!("`{s}` is neither an address nor an @domain")));
+            }
+        }
+        if self.delivery.max_send_attempts < 1 {
+            return Err(invalid("delivery.max_send_attempts", "must be at least 1"));
+        }
+        self.validate_capsules()?;
+        if self.retention.batch_size < 1 {
+            return Err(invalid("retention.batch_size", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// Capsules and live migration (`capsules.*`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CapsulesConfig {
+    /// The capsule store: each agent's latest checkpoint and the blobs (shared by nodes).
+    pub store_dir: String,
+    /// Name of the environment variable holding the fleet secret that authenticates node
+    /// requests (HMAC).
+    pub fleet_secret_env: String,
+    /// Name of the environment variable holding the ed25519 seed for `capsule export --sign`.
+    pub signing_key_env: String,
+    /// Timeout of one node call.
+    pub node_timeout_ms: u64,
+    /// Node requests whose timestamp is further than this from the node's clock are refused.
+    pub node_max_skew_seconds: i64,
+    /// How long a migration waits before asking again when a node does not answer after
+    /// the point of no return.
+    pub migrate_retry_ms: u64,
+    /// How often a node retries reconciling agents whose holder record it lost.
+    pub reconcile_interval_seconds: u64,
+    /// A file of `NAME=value` secrets a node lends to runs; without it, the environment
+    /// variables `keyring_env_prefix` + NAME.
+    pub keyring_file: Option<String>,
+    pub keyring_env_prefix: String,
+}
+
+impl Default for CapsulesConfig {
+    fn default() -> Self {
+        Self {
+            store_dir: "data/capsules".into(),
+            fleet_secret_env: "AIRLOCK_FLEET_SECRET".into(),
+            signing_key_env: "AIRLOCK_CAPSULE_SIGNING_KEY".into(),
+            node_timeout_ms: 5000,
+            node_max_skew_seconds: 30,
+            migrate_retry_ms: 2000,
+            reconcile_interval_seconds: 5,
+            keyring_file: None,
+            keyring_env_prefix: "AIRLOCK_SECRET_".into(),
+        }
+    }
+}
+
+/// One peer node (`nodes.<id>`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodePeerConfig {
+    /// Base URL of the peer's node protocol, `http://host:port` or `https://…`.
+    pub url: String,
+}
+
+impl Config {
+    fn validate_capsules(&self) -> Result<(), ConfigError> {
+        use crate::ids::NodeId;
+        if let Some(id) = &self.worker.node_id {
+            NodeId::parse(id).map_err(|_| {
+                invalid(
+                    "worker.node_id",
+                    format!("`{id}`: 1 to 64 of a-z, 0-9, `_`, `-`, starting with a letter or digit"),
+                )
+            })?;
+            if self.worker.data_dir.trim().is_empty() {
+                return Err(invalid("worker.data_dir", "is required when worker.node_id is set"));
+            }
+        }
+        for (id, peer) in &self.nodes {
+            if NodeId::parse(id).is_err() {
+                return Err(invalid("nodes", format!("`nodes.{id}`: node ids are 1 to 64 of a-z, 0-9, `_`, `-`")));
+            }
+            let url = peer.url.trim();
+            let rest = url.strip_prefix("http://").or_else(|| url.strip_prefix("https://"));
+            if rest.is_none_or(|r| r.is_empty() || r.contains(['?', '#', '@'])) {
+                return Err(invalid("nodes", format!("`nodes.{id}.url`: expected http(s)://host:port")));
+            }
+        }
+        let c = &self.capsules;
+        if c.store_dir.trim().is_empty() {
+            return Err(invalid("capsules.store_dir", "must not be empty"));
+        }
+        if c.fleet_secret_env.trim().is_empty() {
+            return Err(invalid("capsules.fleet_secret_env", "must name an environment variable"));
+        }
+        if c.node_timeout_ms == 0 {
+            return Err(invalid("capsules.node_timeout_ms", "must be positive"));
+        }
+        if c.node_max_skew_seconds < 1 {
+            return Err(invalid("capsules.node_max_skew_seconds", "must be at least 1"));
+        }
+        if c.migrate_retry_ms == 0 {
+            return Err(invalid("capsules.migrate_retry_ms", "must be positive"));
+        }
+        if c.reconcile_interval_seconds == 0 {
+            return Err(invalid("capsules.reconcile_interval_seconds", "must be positive"));
+        }
+        Ok(())
+    }
+}
+
+/// Whether `host` names this machine: `localhost` or a loopback IP literal.
+pub fn is_loopback_host(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    h.eq_ignore_ascii_case("localhost") || h.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(v: &[(&str, &str)]) -> Vec<(String, String)> {
+        v.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn defaults_and_alias() {
+        let c = Config::from_sources(None, &vars(&[("DATABASE_URL", "postgres://x/y")])).unwrap();
+        assert_eq!(c.database.url.expose(), "postgres://x/y");
+        assert_eq!(c.api.listen.to_string(), "127.0.0.1:7070");
+        assert_eq!(c.admin.listen.to_string(), "127.0.0.1:7071");
+        assert_eq!(c.smtp.tls, SmtpTls::Required);
+        assert_eq!(c.smtp.port, 587);
+        assert_eq!(c.worker.concurrency, 8);
+        assert_eq!(c.worker.lease_seconds, 30);
+        assert_eq!(c.scoring.review_threshold, 0.7);
+        assert_eq!(c.delivery.webhook_secret_env, "AIRLOCK_WEBHOOK_SECRET");
+        assert!(c.delivery.senders.is_empty());
+    }
+
+    #[test]
+    fn env_overrides_with_lists() {
+        let c = Config::from_sources(
+            None,
+            &vars(&[
+                ("DATABASE_URL", "postgres://alias/db"),
+                ("AIRLOCK__DATABASE__URL", "postgres://real/db"),
+                ("AIRLOCK__WORKER__CONCURRENCY", "3"),
+                ("AIRLOCK__WORKER__QUEUES", "default,send"),
+                ("AIRLOCK__DELIVERY__SENDERS", "a@example.com,@example.org"),
+                ("AIRLOCK__SMTP__ALLOW_PLAINTEXT_LOOPBACK", "true"),
+                ("AIRLOCK__SMTP__TLS", "none"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.database.url.expose(), "postgres://real/db");
+        assert_eq!(c.worker.concurrency, 3);
+        assert_eq!(c.worker.queues, vec!["default", "send"]);
+        assert_eq!(c.delivery.senders, vec!["a@example.com", "@example.org"]);
+        assert_eq!(c.smtp.tls, SmtpTls::None);
+    }
+
+    #[test]
+    fn invalid_values_name_the_key() {
+        let base = ("DATABASE_URL", "postgres://x/y");
+        let err = |extra: (&str, &str)| Config::from_sources(None, &vars(&[base, extra])).unwrap_err().to_string();
+        assert!(err(("AIRLOCK__WORKER__CONCURRENCY", "0")).contains("worker.concurrency"));
+        assert!(err(("AIRLOCK__WORKER__CONCURRENCY", "many")).contains("concurrency"));
+        assert!(err(("AIRLOCK__SMTP__TLS", "none")).contains("smtp.tls"));
+        assert!(err(("AIRLOCK__SMTP__TLS", "maybe")).contains("tls"));
+        assert!(err(("AIRLOCK__SCORING__REVIEW_THRESHOLD", "2")).contains("scoring.review_threshold"));
+        assert!(err(("AIRLOCK__DELIVERY__SENDERS", "nobody")).contains("delivery.senders"));
+        let missing = Config::from_sources(None, &[]).unwrap_err().to_string();
+        assert!(missing.contains("database.url"), "{missing}");
+    }
+
+    #[test]
+    fn plaintext_refused_to_remote_host() {
+        let e = Config::from_sources(
+            None,
+            &vars(&[
+                ("DATABASE_URL", "postgres://x/y"),
+                ("AIRLOCK__SMTP__TLS", "none"),
+                ("AIRLOCK__SMTP__ALLOW_PLAINTEXT_LOOPBACK", "true"),
+                ("AIRLOCK__SMTP__HOST", "smtp.example.com"),
+            ]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("loopback"));
+    }
+
+    #[test]
+    fn capsule_and_node_settings() {
+        let base = ("DATABASE_URL", "postgres://x/y");
+        let c = Config::from_sources(
+            None,
+            &vars(&[
+                base,
+                ("AIRLOCK__WORKER__NODE_ID", "node_a"),
+                ("AIRLOCK__NODES__NODE_B__URL", "http://127.0.0.1:7100"),
+                ("AIRLOCK__CAPSULES__STORE_DIR", "/tmp/store"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.worker.node_id.as_deref(), Some("node_a"));
+        assert_eq!(c.worker.node_listen.to_string(), "127.0.0.1:7072");
+        assert_eq!(c.nodes["node_b"].url, "http://127.0.0.1:7100");
+        assert_eq!(c.capsules.store_dir, "/tmp/store");
+        assert_eq!(c.capsules.fleet_secret_env, "AIRLOCK_FLEET_SECRET");
+        let err = |extra: (&str, &str)| Config::from_sources(None, &vars(&[base, extra])).unwrap_err().to_string();
+        assert!(err(("AIRLOCK__WORKER__NODE_ID", "a/b")).contains("worker.node_id"));
+        assert!(err(("AIRLOCK__NODES__NODE_B__URL", "ftp://x")).contains("nodes.node_b.url"));
+        assert!(err(("AIRLOCK__CAPSULES__NODE_TIMEOUT_MS", "0")).contains("capsules.node_timeout_ms"));
+        assert!(err(("AIRLOCK__CAPSULES__STORE_DIRR", "x")).contains("store_dirr"));
+    }
+
+    #[test]
+    fn loopback_hosts() {
+        assert!(is_loopback_host("localhost"));
+        assert!(is_loopback_host("127.0.0.1"));
+        assert!(is_loopback_host("[::1]"));
+        assert!(!is_loopback_host("10.0.0.1"));
+        assert!(!is_loopback_host("example.com"));
+    }
+
+    #[test]
+    fn unknown_key_in_file_refused() {
+        let dir = std::env::temp_dir().join(format!("airlock-cfg-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.toml");
+        std::fs::write(&path, "[worker]\nconcurency = 4\n").unwrap();
+        let e = Config::from_sources(Some(path.to_str().unwrap()), &vars(&[("DATABASE_URL", "postgres://x/y")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("concurency"), "{e}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -5,7 +5,6 @@
 //! Needs the binaries: `cargo build --workspace --bins` (as `scripts/test` does).
 #![allow(clippy::unwrap_used)]
 
-mod sandbox_support;
 
 use std::time::Duration;
 
@@ -15,7 +14,7 @@ use airlock_sandbox::store;
 use airlock_tests::app::TestApp;
 use airlock_tests::harness::{self, KillOnDrop};
 use nix::sys::signal::Signal;
-use sandbox_support::{WAIT, assert_invariants, choose, create, wait_state};
+use crate::support::{WAIT, assert_invariants, choose, create, wait_state};
 use serde_json::json;
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -108,7 +107,7 @@ async fn a_run_survives_a_worker_sigkill_and_its_command_dies_with_the_worker(po
     assert_eq!(store::decisions_of(&app.pool, id).await.unwrap().len(), 1, "one decision, one outcome");
     assert_invariants(&app.pool).await;
     // The killed worker's run directory was removed by the next worker on this host.
-    sandbox_support::assert_no_run_dirs(&work_dir);
+    crate::support::assert_no_run_dirs(&work_dir);
     let _ = std::fs::remove_dir_all(marker_dir);
     let _ = std::fs::remove_dir_all(work_dir);
 }

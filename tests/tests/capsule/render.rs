@@ -13,7 +13,7 @@ use proptest::prelude::*;
 use serde_json::{Value, json};
 
 fn golden(name: &str, value: &Value) {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/capsule_golden").join(name);
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/capsule/golden").join(name);
     let text = serde_json::to_string_pretty(value).unwrap() + "\n";
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
         std::fs::write(&path, &text).unwrap();

@@ -3,14 +3,13 @@
 //! operator's choice resuming the task, limits that stop a run, and the review of choices.
 #![allow(clippy::unwrap_used)]
 
-mod sandbox_support;
 
 use airlock_queue::{self as queue, JobState};
 use airlock_sandbox::state::TaskState;
 use airlock_sandbox::store;
 use airlock_tests::app::TestApp;
 use reqwest::StatusCode;
-use sandbox_support::{assert_invariants, choose, create, post, view, wait_state};
+use crate::support::{assert_invariants, choose, create, post, view, wait_state};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -39,7 +38,7 @@ async fn jobs_of(pool: &PgPool, kind: &str, task: Uuid) -> Vec<queue::Job> {
 }
 
 fn assert_clean(dir: &str) {
-    sandbox_support::assert_no_run_dirs(dir);
+    crate::support::assert_no_run_dirs(dir);
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -93,7 +92,7 @@ async fn agent_mode_runs_within_bounds_and_is_denied_outside(pool: PgPool) {
         post(&app, &app.other_agent, json!({"command": ["true"], "mode": "agent", "requested_tier": "standard"})).await;
     assert_eq!(s, StatusCode::CREATED, "{v}");
     let other = Uuid::parse_str(v["id"].as_str().unwrap()).unwrap();
-    sandbox_support::wait_db(&app, other, TaskState::Denied).await;
+    crate::support::wait_db(&app, other, TaskState::Denied).await;
     let decisions = store::decisions_of(&app.pool, other).await.unwrap();
     assert!(decisions[0].reason.contains("may use only light"), "{}", decisions[0].reason);
 

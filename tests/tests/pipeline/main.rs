@@ -1,0 +1,7 @@
+//! The delivery pipeline end to end through HTTP, and the HTTP surface of both services.
+//!
+//! One test binary for the group; each module is a suite.
+#![allow(clippy::unwrap_used)]
+
+mod delivery;
+mod http_surface;

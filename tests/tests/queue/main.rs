@@ -1,0 +1,6 @@
+//! The job queue against a real Postgres: claims, fencing, rescue, retention, wake-ups.
+//!
+//! One test binary for the group; each module is a suite.
+#![allow(clippy::unwrap_used)]
+
+mod jobs;

@@ -1,0 +1,8 @@
+//! Sandboxed tasks: selection modes, limits, isolation and real processes.
+//!
+//! One test binary for the group; each module is a suite.
+#![allow(clippy::unwrap_used)]
+
+mod modes;
+mod process;
+mod support;

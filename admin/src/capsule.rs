@@ -9,7 +9,7 @@ use std::path::{Path as FsPath, PathBuf};
 
 use airlock_capsule::files::{BlobSource, CapsuleFiles, now_rfc3339};
 use airlock_capsule::manifest::Signer;
-use airlock_capsule::migrations::{self, Migration};
+use airlock_capsule::relocation::{self, Relocation};
 use airlock_capsule::store::{self, CapsuleStore, DirStore, StoreBlobs};
 use airlock_capsule::verify::{VerifyOptions, verify_path};
 use airlock_capsule::{AgentId, NodeId, agents};
@@ -218,8 +218,8 @@ pub struct MigrationBody {
     reason: Option<String>,
 }
 
-fn migration_error(e: migrations::MigrationError) -> ApiError {
-    use migrations::MigrationError as M;
+fn migration_error(e: relocation::RelocationError) -> ApiError {
+    use relocation::RelocationError as M;
     match e {
         M::Agent(agents::AgentError::NotFound(_)) => ApiError::not_found("agent"),
         M::Agent(agents::AgentError::InvalidTransition(m)) => ApiError::invalid_transition(m),
@@ -250,7 +250,7 @@ pub async fn create_migration(
     }
     let mut tx = state.pool.begin().await?;
     let m =
-        migrations::create(&mut tx, &agent, &target, &who.name, MIGRATE_MAX_ATTEMPTS).await.map_err(migration_error)?;
+        relocation::create(&mut tx, &agent, &target, &who.name, MIGRATE_MAX_ATTEMPTS).await.map_err(migration_error)?;
     airlock_core::audit::record(
         &mut tx,
         who,
@@ -269,8 +269,8 @@ pub async fn create_migration(
 }
 
 /// The public view of a migration with its history.
-pub async fn migration_view(pool: &PgPool, m: &Migration) -> Result<Value, sqlx::Error> {
-    let history = migrations::history(pool, m.id).await?;
+pub async fn migration_view(pool: &PgPool, m: &Relocation) -> Result<Value, sqlx::Error> {
+    let history = relocation::history(pool, m.id).await?;
     Ok(json!({
         "id": m.id, "agent_id": m.agent_id, "source_node": m.source_node, "target_node": m.target_node,
         "from_epoch": m.from_epoch, "epoch": m.epoch, "phase": m.phase, "outcome": m.outcome(),
@@ -291,6 +291,6 @@ pub async fn get_migration(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     auth.require(Role::Operator)?;
-    let m = migrations::get(&pool, parse_id(&id)?).await?.ok_or_else(|| ApiError::not_found("migration"))?;
+    let m = relocation::get(&pool, parse_id(&id)?).await?.ok_or_else(|| ApiError::not_found("migration"))?;
     Ok(Json(migration_view(&pool, &m).await?))
 }

@@ -164,9 +164,8 @@ async fn create_run(
     responses((status = 200, description = "the run"), (status = 404, description = "no such run of this agent")))]
 async fn get_run(State(pool): State<PgPool>, auth: Auth, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let agent = auth.agent()?;
-    let run = airlock_runs::store::get(&pool, parse_id(&id)?.into(), agent)
-        .await?
-        .ok_or_else(|| ApiError::not_found("run"))?;
+    let run =
+        airlock_runs::store::get(&pool, parse_id(&id)?, agent).await?.ok_or_else(|| ApiError::not_found("run"))?;
     Ok(Json(run_json(&run)))
 }
 

@@ -15,7 +15,7 @@
 //! - [`render`]: pure functions from the journal to provider messages, and `fit`.
 //! - [`store`]: the durable copy of each agent's latest checkpoint, behind a trait.
 //! - [`protocol`]: the node protocol (types, request authentication, the HTTP client).
-//! - [`agents`] and [`migrations`]: the Postgres side (holder and epoch of each agent; the
+//! - [`agents`] and [`relocation`]: the Postgres side (holder and epoch of each agent; the
 //!   phases of each migration).
 //!
 //! Invariants: a capsule names its agent by one id everywhere; a blob's file name is the
@@ -27,8 +27,8 @@ pub mod files;
 pub mod fsio;
 pub mod journal;
 pub mod manifest;
-pub mod migrations;
 pub mod protocol;
+pub mod relocation;
 pub mod render;
 pub mod store;
 pub mod verify;

@@ -15,6 +15,7 @@
 //! - [`outcome`]: what a transport knows after a send.
 //! - [`view`]: the JSON shapes. [`metrics`]: the gauges this crate's tables feed.
 
+pub mod actor;
 pub mod artifact;
 pub mod grants;
 pub mod metrics;

@@ -10,11 +10,11 @@ use std::time::Duration;
 use airlock_capsule::env::EnvSpec;
 use airlock_capsule::files::{CapsuleFiles, Parts};
 use airlock_capsule::journal::{EventKind, Journal};
-use airlock_capsule::migrations::{self, Migration, Phase};
 use airlock_capsule::protocol::{
     CallError, FreezeReply, HaveBlobsReply, HolderState, HttpNode, NodeApi, NodeCall, NodeDirectory, NodeFuture,
     NodeStatus, PrepareRequest,
 };
+use airlock_capsule::relocation::{self, Phase, Relocation};
 use airlock_capsule::store::DirStore;
 use airlock_capsule::verify::{VerifyOptions, verify_path};
 use airlock_capsule::{AgentId, NodeId};
@@ -370,7 +370,7 @@ impl Fleet {
             hooks,
         };
         let mut registry = airlock_worker::Registry::new();
-        registry.register(migrations::MIGRATE_JOB, handler);
+        registry.register(relocation::MIGRATE_JOB, handler);
         let worker = airlock_worker::Worker::new(pool.clone(), registry, settings);
         let stop = CancellationToken::new();
         let handle = tokio::spawn(worker.run(stop.clone()));
@@ -448,19 +448,19 @@ impl Observed {
 }
 
 /// Waits until the migration is over (completed or aborted).
-pub async fn wait_migration(pool: &PgPool, id: uuid::Uuid, timeout: Duration) -> Migration {
+pub async fn wait_migration(pool: &PgPool, id: uuid::Uuid, timeout: Duration) -> Relocation {
     crate::harness::wait_for(&format!("migration {id} to finish"), timeout, || {
         let pool = pool.clone();
-        async move { migrations::get(&pool, id).await.ok().flatten().filter(|m| m.phase.is_terminal()) }
+        async move { relocation::get(&pool, id).await.ok().flatten().filter(|m| m.phase.is_terminal()) }
     })
     .await
 }
 
 /// Waits until the migration reaches `phase` or a later one in the same branch.
-pub async fn wait_phase(pool: &PgPool, id: uuid::Uuid, phase: Phase, timeout: Duration) -> Migration {
+pub async fn wait_phase(pool: &PgPool, id: uuid::Uuid, phase: Phase, timeout: Duration) -> Relocation {
     crate::harness::wait_for(&format!("migration {id} to reach {}", phase.as_str()), timeout, || {
         let pool = pool.clone();
-        async move { migrations::get(&pool, id).await.ok().flatten().filter(|m| m.phase == phase) }
+        async move { relocation::get(&pool, id).await.ok().flatten().filter(|m| m.phase == phase) }
     })
     .await
 }

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use airlock_capsule::migrations::{self, Phase};
 use airlock_capsule::protocol::NodeCall;
+use airlock_capsule::relocation::{self, Phase};
 use airlock_capsule::{AgentId, agents};
 use airlock_tests::app::TestApp;
 use airlock_tests::capsule::{Fleet, When, wait_migration};
@@ -269,7 +269,7 @@ async fn the_coordinator_killed_after_every_phase_is_finished_by_another(pool: P
         // Killed: its tasks are dropped where they stand, its lease is left to expire.
         first.abort();
         let _ = first.await;
-        let m = migrations::get(&pool, id).await.unwrap().unwrap();
+        let m = relocation::get(&pool, id).await.unwrap().unwrap();
         assert_eq!(m.phase, phase, "the phase is recorded before anything else happens");
         let job = m.job_id.unwrap();
         sqlx::query("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1")
@@ -299,7 +299,7 @@ async fn the_coordinator_killed_after_every_phase_is_finished_by_another(pool: P
         // answer means asking the target (which did not activate): abort.
         let want = if matches!(phase, Phase::Activating | Phase::Aborting) { Phase::Aborted } else { Phase::Completed };
         assert_eq!(m.phase, want, "{case}");
-        let history = migrations::history(&pool, id).await.unwrap();
+        let history = relocation::history(&pool, id).await.unwrap();
         let workers: std::collections::BTreeSet<_> = history.iter().filter_map(|h| h.worker.clone()).collect();
         assert!(workers.len() == 2 || phase == Phase::Retired && m.phase == Phase::Completed, "{case}: {workers:?}");
         rows.push(Row {

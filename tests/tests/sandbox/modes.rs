@@ -3,13 +3,12 @@
 //! operator's choice resuming the task, limits that stop a run, and the review of choices.
 #![allow(clippy::unwrap_used)]
 
-
+use crate::support::{assert_invariants, choose, create, post, view, wait_state};
 use airlock_queue::{self as queue, JobState};
 use airlock_sandbox::state::TaskState;
 use airlock_sandbox::store;
 use airlock_tests::app::TestApp;
 use reqwest::StatusCode;
-use crate::support::{assert_invariants, choose, create, post, view, wait_state};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use uuid::Uuid;

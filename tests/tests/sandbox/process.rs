@@ -5,16 +5,15 @@
 //! Needs the binaries: `cargo build --workspace --bins` (as `scripts/test` does).
 #![allow(clippy::unwrap_used)]
 
-
 use std::time::Duration;
 
+use crate::support::{WAIT, assert_invariants, choose, create, wait_state};
 use airlock_queue::{self as queue, JobState};
 use airlock_sandbox::state::TaskState;
 use airlock_sandbox::store;
 use airlock_tests::app::TestApp;
 use airlock_tests::harness::{self, KillOnDrop};
 use nix::sys::signal::Signal;
-use crate::support::{WAIT, assert_invariants, choose, create, wait_state};
 use serde_json::json;
 use sqlx::PgPool;
 use uuid::Uuid;

@@ -428,3 +428,136 @@ impl ClaimCursor {
         lock(&self.state).unbounded_at = None;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The claims started when `want` jobs per claim meet `concurrency` slots, with
+    /// `(running, waiting, reserved, claims in flight)`.
+    fn policy(
+        want: usize,
+        concurrency: usize,
+        (running, waiting, reserved, in_flight): (usize, usize, usize, usize),
+    ) -> (usize, usize) {
+        let Claims { count, size } = claims_to_start(want, concurrency, running, waiting, reserved, in_flight);
+        (count, size)
+    }
+
+    #[test]
+    fn below_the_slots_each_free_slot_gets_its_claim_once() {
+        assert_eq!(policy(1, 4, (0, 0, 0, 0)), (4, 1), "a claim per free slot");
+        assert_eq!(policy(1, 4, (2, 0, 1, 1)), (1, 1), "a slot reserved by a claim in flight gets no other");
+        assert_eq!(policy(1, 4, (3, 0, 1, 1)), (0, 1), "every slot taken or reserved");
+        assert_eq!(policy(2, 5, (0, 0, 0, 0)), (2, 2), "claims of two for five slots: two claims, one slot left over");
+        assert_eq!(policy(2, 4, (3, 0, 0, 0)), (0, 2), "one free slot is less than a claim");
+    }
+
+    #[test]
+    fn above_the_slots_claims_prefetch_two_batches_ahead() {
+        assert_eq!(policy(10, 1, (0, 0, 0, 0)), (2, 10), "an empty buffer: two batches");
+        assert_eq!(policy(10, 1, (1, 0, 0, 1)), (1, 10), "one claim in flight: the second");
+        assert_eq!(policy(10, 1, (1, 0, 0, 2)), (0, 10), "never more than two in flight");
+        assert_eq!(policy(10, 1, (1, 10, 0, 0)), (1, 10), "a full batch waiting: one more");
+        assert_eq!(policy(10, 1, (1, 6, 0, 1)), (0, 10), "more than half of the last batch left");
+        assert_eq!(policy(10, 1, (1, 4, 0, 1)), (1, 10), "half a batch has left the last one");
+        assert_eq!(policy(10, 1, (1, 15, 0, 0)), (0, 10), "a batch and a half waiting");
+        assert_eq!(policy(10, 1, (1, 14, 0, 0)), (1, 10), "less than that");
+    }
+
+    #[test]
+    fn at_the_slots_one_claim_takes_the_free_slots_and_no_more() {
+        assert_eq!(policy(4, 4, (0, 0, 0, 0)), (1, 4));
+        assert_eq!(policy(4, 4, (3, 0, 0, 0)), (1, 1), "one free slot: a claim of one");
+        assert_eq!(policy(4, 4, (2, 1, 0, 0)), (1, 1), "a job waiting takes a slot");
+        assert_eq!(policy(4, 4, (4, 0, 0, 0)).0, 0, "no free slot");
+        assert_eq!(policy(4, 4, (0, 0, 0, 1)).0, 0, "one claim at a time");
+    }
+
+    fn job(priority: i16, run_at: DateTime<Utc>) -> Job {
+        Job {
+            id: airlock_core::ids::JobId::new(),
+            kind: "t".into(),
+            queue: queue::DEFAULT_QUEUE.into(),
+            payload: serde_json::json!({}),
+            state: queue::JobState::Running,
+            priority,
+            run_at,
+            attempt: 1,
+            max_attempts: 5,
+            effect_class: queue::EffectClass::Pure,
+            effect_started_at: None,
+            lease_owner: Some("w".into()),
+            lease_expires_at: None,
+            heartbeat_at: None,
+            attempted_at: None,
+            last_error: None,
+            unique_key: None,
+            created_at: run_at,
+            finished_at: None,
+        }
+    }
+
+    const FAST: Duration = Duration::from_micros(500);
+    const SLOW: Duration = Duration::from_millis(10);
+
+    #[test]
+    fn claims_start_from_the_front_until_unbounded_claims_are_slow() {
+        let cursor = ClaimCursor::default();
+        let t0 = Instant::now();
+        let at = Utc::now();
+        assert_eq!(cursor.from(t0), None, "nothing claimed yet");
+        cursor.record(None, t0, FAST, &[job(100, at)]);
+        assert_eq!(cursor.from(t0 + FAST), None, "a fast claim from the front stays there");
+        cursor.record(None, t0 + FAST, SLOW, &[job(100, at)]);
+        let from = cursor.from(t0 + FAST + SLOW).map(|f| (f.priority, f.run_at));
+        assert_eq!(from, Some((100, at - CURSOR_SLACK)), "a slow one engages the cursor, with slack");
+    }
+
+    #[test]
+    fn an_unbounded_claim_still_runs_every_so_often_and_after_a_rewind() {
+        let cursor = ClaimCursor::default();
+        let t0 = Instant::now();
+        let at = Utc::now();
+        cursor.record(None, t0, SLOW, &[job(100, at)]);
+        assert!(cursor.from(t0 + UNBOUNDED_EVERY / 2).is_some());
+        assert_eq!(cursor.from(t0 + UNBOUNDED_EVERY), None, "an unbounded claim is due");
+        // A very slow unbounded claim is spaced by its own duration instead.
+        let slower = Duration::from_millis(100);
+        cursor.record(None, t0, slower, &[job(100, at)]);
+        assert!(cursor.from(t0 + UNBOUNDED_EVERY).is_some());
+        assert_eq!(cursor.from(t0 + slower * UNBOUNDED_SHARE), None);
+        cursor.rewind();
+        assert_eq!(cursor.from(t0 + SLOW), None, "rewound: the next claim is unbounded");
+    }
+
+    #[test]
+    fn bounded_claims_only_move_the_cursor_forward_and_unbounded_ones_reset_it() {
+        let cursor = ClaimCursor::default();
+        let t0 = Instant::now();
+        let at = Utc::now();
+        let later = at + chrono::TimeDelta::seconds(10);
+        let from_key = |c: &ClaimCursor| c.from(t0 + SLOW).map(|f| (f.priority, f.run_at + CURSOR_SLACK));
+        cursor.record(None, t0, SLOW, &[job(100, at)]);
+        let bound = cursor.from(t0 + SLOW);
+        cursor.record(bound, t0 + SLOW, FAST, &[job(100, later)]);
+        assert_eq!(from_key(&cursor), Some((100, later)));
+        cursor.record(bound, t0 + SLOW, FAST, &[job(100, at)]);
+        assert_eq!(from_key(&cursor), Some((100, later)), "a bounded claim never moves it back");
+        cursor.record(bound, t0 + SLOW, FAST, &[]);
+        assert_eq!(from_key(&cursor), Some((100, later)), "nor does an empty one");
+        cursor.record(None, t0 + SLOW, SLOW, &[job(0, at)]);
+        assert_eq!(from_key(&cursor), Some((0, at)), "an unbounded claim found something more urgent");
+    }
+
+    #[test]
+    fn an_unbounded_claim_that_started_earlier_does_not_replace_a_later_ones_timing() {
+        let cursor = ClaimCursor::default();
+        let t0 = Instant::now();
+        let at = Utc::now();
+        cursor.record(None, t0 + SLOW, SLOW, &[job(100, at)]);
+        // Started before the one recorded, and fast: the slow timing of the later one stands.
+        cursor.record(None, t0, FAST, &[job(100, at)]);
+        assert!(cursor.from(t0 + SLOW * 2).is_some());
+    }
+}

@@ -205,3 +205,22 @@ async fn a_retention_pass_stops_between_batches_once_its_worker_stops(pool: PgPo
     assert_eq!(pruned, retention::Pruned { deleted: 100, batches: 1 }, "the batch under way finishes; no other starts");
     assert_eq!(WorkerStats::get(&stats.pruned), 100);
 }
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_lost_lease_is_counted_once_however_long_its_job_waits_for_a_slot(pool: PgPool) {
+    enqueue(&pool, 1).await;
+    let job = claim(&pool, WORKER, 1).await.pop().unwrap();
+    let in_flight = InFlight::default();
+    // Held but waiting in the buffer: nothing lets go of it until a slot frees up.
+    let token = in_flight.hold(job.lease());
+    let (mut hb, stats) = heartbeat(&pool, &in_flight).await;
+    take_over(&pool, job.id).await;
+
+    assert_eq!(hb.run_once().await.unwrap().missed, 1);
+    assert_eq!(hb.run_once().await.unwrap().lost, 1);
+    assert!(token.is_cancelled());
+    for _ in 0..4 {
+        assert_eq!(hb.run_once().await.unwrap(), HeartbeatCounts { extended: 0, missed: 0, lost: 0 });
+    }
+    assert_eq!(WorkerStats::get(&stats.lease_lost), 1, "one lost lease, counted once");
+}

@@ -6,7 +6,8 @@
 //! - Every held job is heartbeated, running or waiting for a slot, until it ends; the
 //!   heartbeat outlives the shutdown drain.
 //! - A lease is taken as lost, and its job cancelled, only when two passes in a row did not
-//!   find it held while its job was still in flight (see [`Heartbeat::run_once`]).
+//!   find it held while its job was still in flight (see [`Heartbeat::run_once`]); each
+//!   lost lease is counted once, however long its job stays held after it was cancelled.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -24,8 +25,8 @@ use super::{WorkerStats, bump, next_tick, ticker};
 pub struct HeartbeatCounts {
     /// Leases found held and extended.
     pub extended: usize,
-    /// Leases not found held for the first time, whose jobs were still in flight: the
-    /// next pass decides.
+    /// Leases not found held for the first time, whose jobs were still in flight (and not
+    /// cancelled): the next pass decides.
     pub missed: usize,
     /// Leases not found held at this pass and the one before: their jobs were cancelled.
     pub lost: usize,
@@ -78,6 +79,11 @@ impl Heartbeat {
         let mut still_missed = HashSet::new();
         for lease in leases.iter().filter(|l| !held.contains(l)) {
             let Some(h) = map.get(&lease.id()).filter(|h| h.lease == *lease) else { continue };
+            if h.cancel.is_cancelled() {
+                // Lost at an earlier pass (or cancelled by a hard stop) and not let go yet: a
+                // job waiting for a slot stays held until one frees up. Counted once.
+                continue;
+            }
             if self.missed.contains(lease) {
                 bump(&self.stats.lease_lost);
                 tracing::warn!(job.id = %lease.id(), job.attempt = lease.attempt(), "lease lost: cancelling the job");

@@ -2,7 +2,8 @@
 //!
 //! Every route but the health checks needs an agent's bearer token, and an agent sees only
 //! its own runs, deliveries and tasks (anything else is 404, so ids do not leak). [`router`]
-//! builds the service so tests can start it in-process; `main.rs` binds it.
+//! builds the service so tests can start it in-process; `main.rs` binds it. [`tasks`] holds
+//! the sandboxed-task routes.
 
 use std::sync::Arc;
 

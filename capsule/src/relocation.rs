@@ -84,24 +84,63 @@ impl Phase {
         matches!(self, Phase::Activating | Phase::Activated | Phase::Retired | Phase::Completed)
     }
 
-    /// The one table of legal moves.
+    /// Whether [`next`] has a move from this phase to `to`.
     pub fn can_advance(self, to: Phase) -> bool {
-        use Phase::*;
-        matches!(
-            (self, to),
-            (Created, Frozen)
-                | (Frozen, Proposed)
-                | (Proposed, Transferred)
-                | (Transferred, Prepared)
-                | (Prepared, Activating)
-                | (Activating, Activated)
-                | (Activated, Retired)
-                | (Retired, Completed)
-                | (Created | Frozen | Proposed | Transferred | Prepared, Aborting)
-                // Only once the target has answered that it does not hold the new epoch.
-                | (Activating, Aborting)
-                | (Aborting, Aborted)
-        )
+        Step::ALL.iter().any(|step| next(self, *step) == Some(to))
+    }
+}
+
+/// The steps of the protocol (DESIGN §6), each recorded once done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Step {
+    Freeze,
+    Propose,
+    Transfer,
+    Prepare,
+    /// Recorded *before* the activate call: the point of no return.
+    Activate,
+    Activated,
+    Retire,
+    Complete,
+    /// Before the point of no return; from `activating` only once the target has answered
+    /// that it does not hold the new epoch.
+    Abort,
+    Aborted,
+}
+
+impl Step {
+    pub const ALL: [Step; 10] = [
+        Step::Freeze,
+        Step::Propose,
+        Step::Transfer,
+        Step::Prepare,
+        Step::Activate,
+        Step::Activated,
+        Step::Retire,
+        Step::Complete,
+        Step::Abort,
+        Step::Aborted,
+    ];
+}
+
+/// The one table of a relocation's legal moves.
+pub fn next(from: Phase, step: Step) -> Option<Phase> {
+    use Phase as P;
+    use Step as S;
+    match (from, step) {
+        (P::Created, S::Freeze) => Some(P::Frozen),
+        (P::Frozen, S::Propose) => Some(P::Proposed),
+        (P::Proposed, S::Transfer) => Some(P::Transferred),
+        (P::Transferred, S::Prepare) => Some(P::Prepared),
+        (P::Prepared, S::Activate) => Some(P::Activating),
+        (P::Activating, S::Activated) => Some(P::Activated),
+        (P::Activated, S::Retire) => Some(P::Retired),
+        (P::Retired, S::Complete) => Some(P::Completed),
+        (P::Created | P::Frozen | P::Proposed | P::Transferred | P::Prepared | P::Activating, S::Abort) => {
+            Some(P::Aborting)
+        }
+        (P::Aborting, S::Aborted) => Some(P::Aborted),
+        _ => None,
     }
 }
 
@@ -322,6 +361,17 @@ pub async fn list_for_agent(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_whole_table() {
+        let moves: usize =
+            Phase::ALL.iter().map(|p| Step::ALL.iter().filter(|s| next(*p, **s).is_some()).count()).sum();
+        assert_eq!(moves, 8 + 6 + 1, "the happy path, six ways to abort, and the end of an abort");
+        for p in [Phase::Completed, Phase::Aborted] {
+            assert!(Step::ALL.iter().all(|s| next(p, *s).is_none()), "{p:?} is final");
+            assert!(p.is_terminal());
+        }
+    }
 
     #[test]
     fn legal_moves() {

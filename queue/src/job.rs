@@ -53,6 +53,54 @@ impl JobState {
     }
 }
 
+/// What moves a job, and who: a worker claims it; its holder (under the lease) completes,
+/// retries (a retryable failure, a snooze, a release), fails or parks it; the rescuer
+/// retries, fails or parks it once the lease has expired; an operator or the job's owner
+/// cancels it or retries it now; a human settles a parked one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum JobAction {
+    Claim,
+    Complete,
+    Retry,
+    Fail,
+    Park,
+    Cancel,
+    RetryNow,
+    /// A human found the parked job's effect done.
+    Settle,
+}
+
+impl JobAction {
+    pub const ALL: [JobAction; 8] = [
+        JobAction::Claim,
+        JobAction::Complete,
+        JobAction::Retry,
+        JobAction::Fail,
+        JobAction::Park,
+        JobAction::Cancel,
+        JobAction::RetryNow,
+        JobAction::Settle,
+    ];
+}
+
+/// The one table of a job's legal moves: the state `action` takes a job in `from` to.
+/// `parked` is not terminal: it waits for a human.
+pub fn next(from: JobState, action: JobAction) -> Option<JobState> {
+    use JobAction as A;
+    use JobState as S;
+    match (from, action) {
+        (S::Available, A::Claim) => Some(S::Running),
+        (S::Running, A::Complete) => Some(S::Completed),
+        (S::Running, A::Retry) => Some(S::Available),
+        (S::Running, A::Fail) => Some(S::Failed),
+        (S::Running, A::Park) => Some(S::Parked),
+        (S::Available | S::Parked, A::Cancel) => Some(S::Cancelled),
+        (S::Parked | S::Failed, A::RetryNow) => Some(S::Available),
+        (S::Parked, A::Settle) => Some(S::Completed),
+        _ => None,
+    }
+}
+
 /// What repeating a job's effect would do to the outside world.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, sqlx::Type)]
 #[sqlx(type_name = "effect_class", rename_all = "snake_case")]
@@ -192,5 +240,40 @@ pub(crate) fn truncate_error(e: &str) -> &str {
     match e.char_indices().nth(2000) {
         Some((i, _)) => &e[..i],
         None => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_whole_table() {
+        use JobAction as A;
+        use JobState as S;
+        let expected = [
+            (S::Available, A::Claim, S::Running),
+            (S::Running, A::Complete, S::Completed),
+            (S::Running, A::Retry, S::Available),
+            (S::Running, A::Fail, S::Failed),
+            (S::Running, A::Park, S::Parked),
+            (S::Available, A::Cancel, S::Cancelled),
+            (S::Parked, A::Cancel, S::Cancelled),
+            (S::Parked, A::RetryNow, S::Available),
+            (S::Failed, A::RetryNow, S::Available),
+            (S::Parked, A::Settle, S::Completed),
+        ];
+        for from in S::ALL {
+            for action in A::ALL {
+                let want = expected.iter().find(|(f, a, _)| *f == from && *a == action).map(|(_, _, to)| *to);
+                assert_eq!(next(from, action), want, "{from:?} by {action:?}");
+            }
+        }
+        for s in [S::Completed, S::Cancelled] {
+            assert!(A::ALL.iter().all(|a| next(s, *a).is_none()), "{s:?} is final");
+        }
+        for s in S::ALL {
+            assert_eq!(S::parse(s.as_str()), Some(s));
+        }
     }
 }

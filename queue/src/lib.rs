@@ -66,7 +66,7 @@ pub mod waker;
 
 pub use claim::{Claim, ClaimFilter, ClaimFrom, claim_batch, claim_sql, complete_and_claim, complete_and_claim_sql};
 pub use enqueue::{enqueue, enqueue_many, enqueue_many_quiet};
-pub use job::{DEFAULT_QUEUE, EffectClass, Enqueued, Job, JobState, NewJob, QueueError};
+pub use job::{DEFAULT_QUEUE, EffectClass, Enqueued, Job, JobAction, JobState, NewJob, QueueError, next};
 pub use lease::{
     COMPLETE_HELD_SQL, ENSURE_HELD_SQL, FailOutcome, HEARTBEAT_MANY_SQL, HEARTBEAT_SQL, Lease, MARK_EFFECT_STARTED_SQL,
     complete, complete_many, complete_many_sql, ensure_held, fail, heartbeat, heartbeat_many, mark_effect_started,

@@ -19,9 +19,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use airlock_capsule::archive::{Archive, DirArchive};
 use airlock_capsule::protocol::{CallError, HolderState, NodeApi, NodeDirectory, PrepareRequest};
 use airlock_capsule::relocation::{self, Changes, Phase, Relocation, RelocationError};
-use airlock_capsule::store::{CapsuleStore, DirStore};
 use airlock_capsule::{AgentId, CapsuleFiles, agents};
 use airlock_core::config::Config;
 use serde_json::json;
@@ -41,6 +41,19 @@ pub struct MigrateHooks {
 }
 
 impl MigrateHooks {
+    /// Every phase the handler can halt after: each one it records and then goes on from.
+    /// (`created` is recorded by the admin route; `completed` and `aborted` end the job.)
+    pub const POINTS: [Phase; 8] = [
+        Phase::Frozen,
+        Phase::Proposed,
+        Phase::Transferred,
+        Phase::Prepared,
+        Phase::Activating,
+        Phase::Activated,
+        Phase::Retired,
+        Phase::Aborting,
+    ];
+
     pub fn halt_after(&self, phase: Option<Phase>) {
         *self.halt_after.lock().unwrap_or_else(|e| e.into_inner()) = phase;
     }
@@ -53,7 +66,7 @@ impl MigrateHooks {
 #[derive(Clone)]
 pub struct MigrateHandler {
     pub nodes: NodeDirectory,
-    pub store: Arc<dyn CapsuleStore>,
+    pub store: Arc<dyn Archive>,
     pub worker_id: String,
     /// How long to wait before asking an unresponsive node again after the point of no
     /// return.
@@ -72,7 +85,7 @@ pub fn register(r: &mut Registry, cfg: &Config, worker_id: &str) -> anyhow::Resu
     })?;
     let handler = MigrateHandler {
         nodes: NodeDirectory::from_config(cfg, secret)?,
-        store: Arc::new(DirStore::new(&cfg.capsules.store_dir)),
+        store: Arc::new(DirArchive::new(&cfg.capsules.store_dir)),
         worker_id: worker_id.to_string(),
         retry: Duration::from_millis(cfg.capsules.migrate_retry_ms),
         hooks: Arc::default(),

@@ -232,20 +232,40 @@ async fn every_call_fails_before_and_after(pool: PgPool) {
     print_table("capsule-fault-matrix (call × when → outcome, holders, staging, verify)", &rows);
 }
 
+/// Where a coordinator killed right after recording a phase leaves its relocation once
+/// another coordinator has finished it: before the point of no return the move goes on;
+/// recorded `activating` without an answer means asking the target (which did not
+/// activate), so it aborts; an abort under way is finished.
+const KILL_ROWS: [(Phase, Phase); 8] = [
+    (Phase::Frozen, Phase::Completed),
+    (Phase::Proposed, Phase::Completed),
+    (Phase::Transferred, Phase::Completed),
+    (Phase::Prepared, Phase::Completed),
+    (Phase::Activating, Phase::Aborted),
+    (Phase::Activated, Phase::Completed),
+    (Phase::Retired, Phase::Completed),
+    (Phase::Aborting, Phase::Aborted),
+];
+
+#[test]
+fn every_halt_point_has_a_row() {
+    for point in MigrateHooks::POINTS {
+        assert!(
+            KILL_ROWS.iter().any(|(p, _)| *p == point),
+            "the coordinator can halt after `{}` but no row kills it there",
+            point.as_str()
+        );
+    }
+    for (p, _) in KILL_ROWS {
+        assert!(MigrateHooks::POINTS.contains(&p), "row `{}` is not a halt point", p.as_str());
+    }
+}
+
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn the_coordinator_killed_after_every_phase_is_finished_by_another(pool: PgPool) {
     let (fleet, app) = start(pool.clone()).await;
     let (_stop, placer) = fleet.start_coordinator(&pool, &app.config, "placer", Arc::default());
-    let phases = [
-        Phase::Frozen,
-        Phase::Proposed,
-        Phase::Transferred,
-        Phase::Prepared,
-        Phase::Activating,
-        Phase::Activated,
-        Phase::Retired,
-        Phase::Aborting,
-    ];
+    let phases: Vec<Phase> = KILL_ROWS.iter().map(|(p, _)| *p).collect();
     let mut agents_placed = Vec::new();
     for (i, _) in phases.iter().enumerate() {
         let agent = format!("kill-{i}");
@@ -295,9 +315,7 @@ async fn the_coordinator_killed_after_every_phase_is_finished_by_another(pool: P
         assert!(max_active.load(Ordering::SeqCst) <= 1, "{case}: two holders at once");
         assert!(obs.staging_clean, "{case}: {obs:?}");
         assert!(obs.verify_problems.is_empty(), "{case}: {:?}", obs.verify_problems);
-        // Before the point of no return the job goes on; recorded `activating` without an
-        // answer means asking the target (which did not activate): abort.
-        let want = if matches!(phase, Phase::Activating | Phase::Aborting) { Phase::Aborted } else { Phase::Completed };
+        let want = KILL_ROWS.iter().find(|(p, _)| *p == phase).map(|(_, end)| *end).unwrap();
         assert_eq!(m.phase, want, "{case}");
         let history = relocation::history(&pool, id).await.unwrap();
         let workers: std::collections::BTreeSet<_> = history.iter().filter_map(|h| h.worker.clone()).collect();

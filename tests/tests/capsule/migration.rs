@@ -7,10 +7,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use airlock_capsule::archive::Archive;
 use airlock_capsule::journal::EventKind;
 use airlock_capsule::protocol::{self, AppendRequest, CallError, HolderState, HttpNode, NodeApi, NodeCall};
 use airlock_capsule::relocation::Phase;
-use airlock_capsule::store::CapsuleStore;
 use airlock_capsule::verify::{VerifyOptions, verify_path};
 use airlock_capsule::{AgentId, CapsuleFiles};
 use airlock_core::secret::Secret;

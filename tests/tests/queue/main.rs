@@ -5,4 +5,5 @@
 #![allow(clippy::unwrap_used)]
 
 mod jobs;
+mod lifecycle;
 mod maintenance;

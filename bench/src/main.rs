@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod runs;
+
 use anyhow::{Context, bail};
 use clap::Parser;
 use serde_json::{Value, json};
@@ -46,7 +48,7 @@ struct Args {
     /// pgbench binary.
     #[arg(long, default_value = "pgbench")]
     pgbench: String,
-    /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline), for
+    /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline, runs), for
     /// profiling; a partial run (of parts, modes or worker counts) prints its table but
     /// writes no result file.
     #[arg(long, value_delimiter = ',')]
@@ -733,6 +735,20 @@ async fn main() -> anyhow::Result<()> {
         put(&mut results, "pipeline_p99_ms", median(p99s));
         put(&mut results, "pipeline_worker_peak_rss_mib", rss);
         rss_seen = rss_seen.max(rss);
+    }
+    if args.wants("runs") {
+        eprintln!("durable runs: steps recorded, {} runs at once; step latency at 200 steps/s", 16);
+        let (mut rates, mut p50s, mut p99s) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..r {
+            let f = runs::runs(&args).await?;
+            eprintln!("  {:.0} steps/s; step p50 {:.2} ms, p99 {:.2} ms", f.steps_per_sec, f.p50_ms, f.p99_ms);
+            rates.push(f.steps_per_sec);
+            p50s.push(f.p50_ms);
+            p99s.push(f.p99_ms);
+        }
+        put(&mut results, "run_steps_per_sec", median(rates));
+        put(&mut results, "run_step_p50_ms", median(p50s));
+        put(&mut results, "run_step_p99_ms", median(p99s));
     }
     put(&mut results, "worker_peak_rss_mib", rss_seen);
 

@@ -8,6 +8,8 @@
 //! - [`replay`]: `replay-eval`, a run's recorded decisions asked again of another model.
 //! - [`runs`]: the runs, one run's replay log and effects, cancellation, and a human's
 //!   settlement of an effect whose outcome nobody knows.
+//! - [`turns`]: the calls of agent turns waiting for a human (grant bound to the arguments'
+//!   hash, deny), and one turn.
 //! - [`sandbox`]: the operator's sandbox routes and the `sandbox report` command.
 //! - [`page`]: the web page served at `/`.
 
@@ -18,3 +20,4 @@ pub mod replay;
 pub mod runs;
 pub mod sandbox;
 pub mod server;
+pub mod turns;

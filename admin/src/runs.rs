@@ -113,6 +113,7 @@ pub async fn cancel_run(
     let reason = reason(body.reason.as_deref(), "reason")?;
     let mut tx = state.pool.begin().await?;
     let r = run::cancel(&mut tx, parse_id(&id)?, None, &reason).await?;
+    airlock_agent::turn::end_with_cancelled_run(&mut tx, r.id).await?;
     audit::record(
         &mut tx,
         who,
@@ -160,6 +161,8 @@ pub async fn resolve_effect(
     let note = reason(body.note.as_deref(), "note")?;
     let (r, e) =
         effects::resolve(&state.pool, who, parse_id(&id)?, &step_id, resolution, &note, body.result.as_ref()).await?;
+    // A turn that waited on this effect goes on.
+    airlock_agent::turn::requeue_run(&state.pool, r.id).await?;
     Ok(Json(json!({"run": view::run(&r), "effect": view::effect(&e)})))
 }
 

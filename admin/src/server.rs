@@ -61,6 +61,10 @@ pub const ROUTES: &[RouteRule] = &[
     RouteRule { method: "GET", path: "/admin/v1/runs/{id}", access: REVIEWER },
     RouteRule { method: "POST", path: "/admin/v1/runs/{id}/cancel", access: OPERATOR },
     RouteRule { method: "POST", path: "/admin/v1/runs/{id}/effects/{step_id}/resolve", access: REVIEWER },
+    RouteRule { method: "GET", path: "/admin/v1/authorizations", access: REVIEWER },
+    RouteRule { method: "POST", path: "/admin/v1/authorizations/{id}/grant", access: REVIEWER },
+    RouteRule { method: "POST", path: "/admin/v1/authorizations/{id}/deny", access: REVIEWER },
+    RouteRule { method: "GET", path: "/admin/v1/turns/{id}", access: REVIEWER },
     RouteRule { method: "GET", path: "/admin/v1/agents/{id}", access: OPERATOR },
     RouteRule { method: "POST", path: "/admin/v1/agents/{id}/migrations", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/migrations/{id}", access: OPERATOR },
@@ -109,6 +113,10 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(crate::sandbox::get_report))
         .routes(routes!(crate::runs::list_runs))
         .routes(routes!(crate::runs::get_run))
+        .routes(routes!(crate::turns::list_authorizations))
+        .routes(routes!(crate::turns::grant))
+        .routes(routes!(crate::turns::deny))
+        .routes(routes!(crate::turns::get_turn))
         .routes(routes!(crate::runs::cancel_run))
         .routes(routes!(crate::runs::resolve_effect))
         .merge(crate::capsule::routes())

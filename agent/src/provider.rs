@@ -95,7 +95,7 @@ impl Provider {
 
     /// The request body of a completion: the messages, and the action's JSON schema in the
     /// server's dialect when the model is configured to constrain its decoding.
-    pub fn request(&self, messages: &[Message], schema: Option<&Value>) -> Value {
+    pub fn request<M: Serialize>(&self, messages: &[M], schema: Option<&Value>) -> Value {
         let mut body = json!({"model": self.model, "messages": messages, "temperature": 0, "stream": false});
         if let Some(schema) = schema {
             match self.structured {

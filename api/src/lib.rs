@@ -2,11 +2,12 @@
 //!
 //! Every route but the health checks needs an agent's bearer token, and an agent sees only
 //! its own runs, deliveries and tasks (anything else is 404, so ids do not leak). [`router`]
-//! builds the service so tests can start it in-process; `main.rs` binds it. [`tasks`] holds
-//! the sandboxed-task routes.
+//! builds the service so tests can start it in-process; `main.rs` binds it. [`runs`] holds
+//! the durable-run routes, [`turns`] the agent turns', [`tasks`] the sandboxed tasks'.
 
 use std::sync::Arc;
 
+use airlock_agent::catalogue::Catalogue;
 use airlock_core::config::Config;
 use airlock_delivery::pipeline::{self, Submission};
 use airlock_delivery::store::{self, Actor};
@@ -26,6 +27,7 @@ use utoipa_axum::routes;
 
 pub mod runs;
 pub mod tasks;
+pub mod turns;
 
 /// What every agent-API handler can reach.
 #[derive(Clone, FromRef)]
@@ -34,13 +36,17 @@ pub struct AppState {
     pub config: Arc<Config>,
     /// Wakes the workers after a submission commits.
     pub waker: Waker,
+    /// The tools turns may be given, fixed at start.
+    pub catalogue: Arc<Catalogue>,
 }
 
 impl AppState {
-    /// The state over `pool`, with a waker of its own (needs a Tokio runtime).
-    pub fn new(pool: PgPool, config: Arc<Config>) -> Self {
+    /// The state over `pool`, with a waker of its own (needs a Tokio runtime). A tool the
+    /// configuration declares that cannot be served is refused, naming its key.
+    pub fn new(pool: PgPool, config: Arc<Config>) -> anyhow::Result<Self> {
         let waker = Waker::new(pool.clone());
-        Self { pool, config, waker }
+        let catalogue = Arc::new(Catalogue::from_config(&config).map_err(|m| anyhow::anyhow!("tools: {m}"))?);
+        Ok(Self { pool, config, waker, catalogue })
     }
 }
 
@@ -57,6 +63,11 @@ pub const ROUTES: &[RouteRule] = &[
     RouteRule { method: "POST", path: "/v1/runs/{id}/complete", access: Access::Agent },
     RouteRule { method: "POST", path: "/v1/runs/{id}/fail", access: Access::Agent },
     RouteRule { method: "POST", path: "/v1/runs/{id}/cancel", access: Access::Agent },
+    RouteRule { method: "POST", path: "/v1/runs/{id}/turns", access: Access::Agent },
+    RouteRule { method: "GET", path: "/v1/turns/{id}", access: Access::Agent },
+    RouteRule { method: "GET", path: "/v1/turns/{id}/events", access: Access::Agent },
+    RouteRule { method: "POST", path: "/v1/turns/{id}/cancel", access: Access::Agent },
+    RouteRule { method: "POST", path: "/v1/turns/{id}/resume", access: Access::Agent },
     RouteRule { method: "POST", path: "/v1/deliveries", access: Access::Agent },
     RouteRule { method: "GET", path: "/v1/deliveries/{id}", access: Access::Agent },
     RouteRule { method: "POST", path: "/v1/deliveries/{id}/cancel", access: Access::Agent },
@@ -88,6 +99,11 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(runs::complete_run))
         .routes(routes!(runs::fail_run))
         .routes(routes!(runs::cancel_run))
+        .routes(routes!(turns::create_turn))
+        .routes(routes!(turns::get_turn))
+        .routes(routes!(turns::turn_events))
+        .routes(routes!(turns::cancel_turn))
+        .routes(routes!(turns::resume_turn))
         .routes(routes!(submit_delivery))
         .routes(routes!(get_delivery))
         .routes(routes!(cancel_delivery))

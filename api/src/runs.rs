@@ -360,6 +360,10 @@ pub async fn cancel_run(
     let reason = reason(body.reason.as_deref())?;
     let mut conn = state.pool.acquire().await?;
     let r = run::cancel(&mut conn, parse_id(&id)?, Some(agent), &reason).await?;
+    drop(conn);
+    let mut tx = state.pool.begin().await?;
+    airlock_agent::turn::end_with_cancelled_run(&mut tx, r.id).await?;
+    tx.commit().await?;
     Ok(Json(view::run(&r)))
 }
 

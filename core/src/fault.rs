@@ -28,6 +28,20 @@ pub const POINTS: &[&str] = &[
     "score.after_commit",
 ];
 
+/// The step boundaries of an agent turn (the turn's crash tests cover each one).
+pub const TURN_POINTS: &[&str] = &[
+    "turn.model.replied",
+    "turn.model.recorded",
+    "turn.tool.begun",
+    "turn.tool.called",
+    "turn.tool.result",
+    "turn.deliver.submitted",
+];
+
+fn known(point: &str) -> bool {
+    POINTS.contains(&point) || TURN_POINTS.contains(&point)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
     /// `std::process::abort()`: no destructor, no flush, as abrupt as SIGKILL.
@@ -67,7 +81,7 @@ pub fn clear() {
 pub fn arm_from_spec(spec: &str) -> Result<(), String> {
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (name, action) = part.split_once('=').ok_or_else(|| format!("fault `{part}`: expected name=action"))?;
-        if !POINTS.contains(&name) {
+        if !known(name) {
             return Err(format!("fault `{name}`: no such point"));
         }
         let action = match action {
@@ -92,7 +106,7 @@ pub fn arm_from_env() -> Result<(), String> {
 
 /// Marks a step boundary. A no-op unless the point is armed.
 pub async fn hit(point: &'static str) -> Result<(), FaultError> {
-    debug_assert!(POINTS.contains(&point), "unlisted fault point {point}");
+    debug_assert!(known(point), "unlisted fault point {point}");
     if !ANY_ARMED.load(Ordering::Relaxed) {
         return Ok(());
     }

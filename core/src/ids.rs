@@ -88,6 +88,14 @@ uuid_id!(
     /// One agent's move from a node to another.
     RelocationId
 );
+uuid_id!(
+    /// An agent turn: a model driven by airlock through the action protocol, inside a run.
+    TurnId
+);
+uuid_id!(
+    /// A non-repeatable tool call waiting for (or decided by) a human.
+    AuthorizationId
+);
 
 /// The one name of an agent: in the capsule, in Postgres, on every node and in every
 /// request. It becomes a directory name, so it is restricted to a safe alphabet.

@@ -39,6 +39,14 @@ pub const RUN_STEPS: &str = "airlock_run_steps_total";
 pub const RUN_EFFECTS: &str = "airlock_run_effects_total";
 /// Runs by state, sampled.
 pub const RUNS: &str = "airlock_runs";
+/// Agent turns that reached a state, by state.
+pub const TURNS: &str = "airlock_turns_total";
+/// Model completions asked by turns, by model and outcome (ok, unavailable, ignored).
+pub const TURN_MODEL_CALLS: &str = "airlock_turn_model_calls_total";
+/// Tool calls of turns, by tool and outcome (ok, failed, denied, awaiting).
+pub const TURN_TOOL_CALLS: &str = "airlock_turn_tool_calls_total";
+/// Authorizations asked for and decided, by state.
+pub const TURN_AUTHORIZATIONS: &str = "airlock_turn_authorizations_total";
 /// HTTP requests by service, method, route and status.
 pub const HTTP_REQUESTS: &str = "airlock_http_requests_total";
 
@@ -57,6 +65,10 @@ pub const ALL: &[&str] = &[
     RUN_STEPS,
     RUN_EFFECTS,
     RUNS,
+    TURNS,
+    TURN_MODEL_CALLS,
+    TURN_TOOL_CALLS,
+    TURN_AUTHORIZATIONS,
     HTTP_REQUESTS,
 ];
 

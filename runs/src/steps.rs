@@ -252,3 +252,16 @@ pub async fn list(
     .fetch_all(db)
     .await
 }
+
+/// The steps of a run whose id starts with `prefix`, in order (a turn's steps are named
+/// under its own step id).
+pub async fn list_under(db: impl PgExecutor<'_>, run_id: RunId, prefix: &str) -> Result<Vec<Step>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT run_id, seq, step_id, kind, data, usage_tokens, usage_cost_micros, epoch, recorded_at
+         FROM run_steps WHERE run_id = $1 AND starts_with(step_id, $2) ORDER BY seq",
+    )
+    .bind(run_id)
+    .bind(prefix)
+    .fetch_all(db)
+    .await
+}

@@ -100,7 +100,8 @@ impl TestApp {
         let admin_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind admin");
         let api = format!("http://{}", api_listener.local_addr().expect("api addr"));
         let admin = format!("http://{}", admin_listener.local_addr().expect("admin addr"));
-        let api_router = airlock_api::router(airlock_api::AppState::new(pool.clone(), config.clone()));
+        let api_router =
+            airlock_api::router(airlock_api::AppState::new(pool.clone(), config.clone()).expect("api state"));
         let admin_router = airlock_admin::server::router(airlock_admin::server::AppState {
             pool: pool.clone(),
             config: config.clone(),

@@ -40,6 +40,7 @@ pub fn registry_with(cfg: &Arc<Config>, worker_id: &str, webhook_secret: Option<
     };
     r.register(SEND_JOB, SendHandler::new(cfg.clone(), worker_id.to_string(), Some(smtp), webhook));
     crate::sandbox::register(&mut r, cfg, worker_id);
+    crate::turn::register(&mut r, cfg, None)?;
     crate::migrate::register(&mut r, cfg, worker_id)?;
     if cfg.worker.diagnostic_jobs {
         crate::diag::register(&mut r);

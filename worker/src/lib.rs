@@ -12,6 +12,7 @@
 //! - [`batch`]: lets handlers running at once share transactions.
 //! - [`delivery`]: the pipeline's kinds (`delivery.score`, `delivery.send`).
 //! - [`sandbox`]: the sandboxed tasks' kinds (`sandbox.select`, `sandbox.run`).
+//! - [`turn`]: the `agent.turn` kind, driving an agent turn against a model.
 //! - [`migrate`]: the `capsule.migrate` kind, moving an agent between nodes.
 //! - [`node`]: the node service, for a worker that hosts agents.
 //! - [`diag`]: diagnostic kinds used to check a fleet (and by the crash suites).
@@ -26,6 +27,7 @@ pub mod migrate;
 pub mod node;
 pub mod runtime;
 pub mod sandbox;
+pub mod turn;
 
 pub use handler::{Handler, HandlerError, JobContext, Outcome, Registry};
 pub use runtime::{Worker, WorkerSettings, WorkerStats};

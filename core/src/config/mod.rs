@@ -7,6 +7,7 @@
 //! Secrets are never configuration values: the configuration names the environment
 //! variables that hold them.
 
+pub mod agent;
 pub mod models;
 pub mod sandbox;
 
@@ -58,6 +59,12 @@ pub struct Config {
     /// Local models airlock talks to, by name (`models.<name>.*`, see [`models`]).
     #[serde(default)]
     pub models: std::collections::BTreeMap<String, models::ModelConfig>,
+    /// Agent turns' ceilings (`agent.*`).
+    #[serde(default)]
+    pub agent: agent::AgentConfig,
+    /// HTTP tools declared for agent turns, by id (`tools.<id>.*`).
+    #[serde(default)]
+    pub tools: std::collections::BTreeMap<String, agent::ToolConfig>,
     #[serde(default)]
     pub capsules: CapsulesConfig,
     /// Peers that host agents, by node id (`nodes.<id>.url`).
@@ -481,6 +488,17 @@ impl Config {
             }
             if m.context_tokens < 256 {
                 return Err(invalid("models", format!("`models.{name}.context_tokens`: at least 256")));
+            }
+        }
+        self.agent.validate().map_err(|m| invalid("agent", m))?;
+        for (id, t) in &self.tools {
+            agent::check_tool_id(id).map_err(|m| invalid("tools", m))?;
+            agent::check_closed_schema(id, &t.schema).map_err(|m| invalid("tools", m))?;
+            if t.description.trim().is_empty() || t.description.len() > 2000 {
+                return Err(invalid("tools", format!("`tools.{id}.description`: 1 to 2000 characters")));
+            }
+            if !t.url.starts_with("https://") && !t.url.starts_with("http://") {
+                return Err(invalid("tools", format!("`tools.{id}.url`: an http(s) URL of an allowed webhook origin")));
             }
         }
         if let Some(m) = &self.scoring.model

@@ -38,6 +38,10 @@ pub struct ModelConfig {
     pub context_tokens: u64,
     #[serde(default)]
     pub structured_output: StructuredOutput,
+    /// What a thousand tokens cost, in millionths of the operator's unit (spent from the
+    /// run's cost budget with each completion).
+    #[serde(default)]
+    pub cost_micros_per_1k_tokens: i64,
 }
 
 fn default_timeout() -> u64 {

@@ -55,6 +55,8 @@ pub enum KilledFor {
     Memory,
     Cpu,
     Disk,
+    /// More processes and threads than the tier's `max_processes`.
+    Processes,
 }
 
 impl KilledFor {
@@ -64,6 +66,7 @@ impl KilledFor {
             Self::Memory => "memory",
             Self::Cpu => "cpu",
             Self::Disk => "disk",
+            Self::Processes => "processes",
         }
     }
 }
@@ -110,6 +113,10 @@ pub enum ProviderError {
     /// The sandbox could not be prepared (directory, wrapper); worth another try.
     #[error("preparing the sandbox: {0}")]
     Setup(String),
+    /// This worker will not run the spec as it is (a tier whose network it cannot make
+    /// safe, a variable that steers how programs load): another try would be refused too.
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// Runs commands in sandboxes of a tier.

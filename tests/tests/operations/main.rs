@@ -3,6 +3,6 @@
 //! One test binary for the group; each module is a suite.
 #![allow(clippy::unwrap_used)]
 
-mod service;
-mod configuration;
 mod bench_adapter;
+mod configuration;
+mod service;

@@ -3,13 +3,12 @@
 //! operator's choice resuming the task, limits that stop a run, and the review of choices.
 #![allow(clippy::unwrap_used)]
 
-
+use crate::support::{assert_invariants, choose, create, post, view, wait_state};
 use airlock_queue::{self as queue, JobState};
 use airlock_sandbox::state::TaskState;
 use airlock_sandbox::store;
 use airlock_tests::app::TestApp;
 use reqwest::StatusCode;
-use crate::support::{assert_invariants, choose, create, post, view, wait_state};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -336,9 +335,12 @@ async fn a_run_over_its_tier_memory_or_time_is_stopped_recorded_and_not_retried(
     .await;
     let (stop, worker) = app.start_worker("w-limits");
 
+    // Processes of this test only carry its marker: a `sleep` of a duration no other test
+    // uses (so another suite's sleeps running beside it are never counted).
+    let nap = format!("30.{}", Uuid::new_v4().as_u128() % 1_000_000_000);
     let slow = create(
         &app,
-        json!({"command": ["sh", "-c", "sleep 30 & sleep 30"], "mode": "agent", "requested_tier": "brief"}),
+        json!({"command": ["sh", "-c", format!("sleep {nap} & sleep {nap}")], "mode": "agent", "requested_tier": "brief"}),
     )
     .await;
     let hungry = create(
@@ -387,10 +389,9 @@ async fn a_run_over_its_tier_memory_or_time_is_stopped_recorded_and_not_retried(
     worker.await.unwrap().unwrap();
     assert_invariants(&app.pool).await;
     assert_clean(&dir);
-    // The killed runs left no process behind.
-    let ps =
-        std::process::Command::new("sh").args(["-c", "ps -eo args | grep -c '^sleep 30$' || true"]).output().unwrap();
-    assert_eq!(String::from_utf8_lossy(&ps.stdout).trim(), "0", "a killed run's process survived");
+    // The killed runs left no process behind: their sandboxes' PID namespaces are gone.
+    let left = crate::support::processes_with(&format!("sleep\0{nap}"));
+    assert!(left.is_empty(), "a killed run's process survived: {left:?}");
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]

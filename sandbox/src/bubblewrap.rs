@@ -84,12 +84,15 @@ const SANDBOX_PROCESSES: u32 = 4;
 /// forks were refused, since what it started is still there when its command ends.
 const NPROC_ROOM: u32 = 16;
 
-/// The command runs under a hold: a shell that runs it (`env --`, so a program, never a
-/// builtin), says `done` on a socket when it ends, waits for the worker's answer, then
+/// The command runs under a hold: a shell that closes every descriptor but the standard
+/// three and its socket (a descriptor the worker inherited without close-on-exec would
+/// otherwise reach the command), runs the command (`env --`, so a program, never a
+/// builtin), says `done` on the socket when it ends, waits for the worker's answer, then
 /// exits with the command's status. The worker samples the run once more in between, so
 /// processes left over at the end count against the run's limit, and a run cannot end
 /// between two samples unseen. `{fd}` is the socket's descriptor, closed for the command.
-const HOLD: &str = r#"/usr/bin/env -- "$@" {fd}>&-; s=$?; echo done >&{fd}; read -r _ <&{fd}; exit $s"#;
+const HOLD: &str = r#"for f in /proc/self/fd/*; do n=${f##*/}; case $n in 0|1|2|{fd}) ;; *) eval "exec $n>&-" ;; esac; done
+/usr/bin/env -- "$@" {fd}>&-; s=$?; echo done >&{fd}; read -r _ <&{fd}; exit $s"#;
 
 /// Size of a run's `/dev/shm` (memory that `VmRSS` does not show, so it is kept small).
 const SHM_BYTES: u64 = 64 * 1024 * 1024;

@@ -879,6 +879,18 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_isolated_command_holds_only_its_standard_descriptors() {
+        // Whatever this test process inherited from its parent, the command gets stdin,
+        // stdout and stderr only.
+        let (p, _work) = providers().pop().unwrap();
+        let o = p
+            .run(spec(&["sh", "-c", "ls /proc/$$/fd | sort | tr '\\n' ' '"], 64, 5), CancellationToken::new())
+            .await
+            .unwrap();
+        assert_eq!(o.stdout, "0 1 2 ", "{o:?}");
+    }
+
+    #[tokio::test]
     async fn a_loader_variable_is_refused_before_anything_runs() {
         let (p, _work) = providers().pop().unwrap();
         let mut s = spec(&["true"], 64, 5);

@@ -778,18 +778,32 @@ impl Running {
         }
     }
 
-    /// After bwrap outside ended: the network's process goes, and any process still owned
-    /// by the run's uid (there should be none) is killed.
+    /// After bwrap outside ended: the sandbox's PID 1 is killed (when the command exits,
+    /// bwrap outside exits at once and PID 1 follows it an instant later), the network's
+    /// process goes, and the run ends once no process of its uid is left. One still there
+    /// after the namespace had time to go would be a process that left the sandbox: it is
+    /// logged and killed.
     async fn finish(&mut self, uid: u32) {
+        SandboxTree { outer: self.outer, inner: self.inner }.kill(&[]);
         self.stop_network().await;
-        for _ in 0..100 {
+        let started = Instant::now();
+        let mut warned = false;
+        loop {
             let left = procs::of_uid(uid);
             if left.is_empty() {
                 return;
             }
-            tracing::error!(uid, pids = ?left, "processes of a finished run survived its sandbox; killing them");
-            procs::kill_all(&left);
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            if started.elapsed() > Duration::from_secs(2) {
+                if !warned {
+                    tracing::error!(uid, pids = ?left, "processes of a finished run survived its sandbox; killing them");
+                    warned = true;
+                }
+                procs::kill_all(&left);
+                if started.elapsed() > Duration::from_secs(5) {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 }

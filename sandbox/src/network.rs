@@ -101,7 +101,7 @@ pub fn protected_endpoints(cfg: &Config) -> Vec<Protected> {
 }
 
 /// The IPv4 addresses of this host's interfaces, loopback excluded.
-fn host_addresses() -> Vec<Ipv4Addr> {
+pub fn host_addresses() -> Vec<Ipv4Addr> {
     let Ok(addrs) = nix::ifaddrs::getifaddrs() else { return Vec::new() };
     let mut out: Vec<Ipv4Addr> = addrs
         .filter_map(|a| a.address.and_then(|s| s.as_sockaddr_in().map(|v4| v4.ip())))

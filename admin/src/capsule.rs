@@ -7,10 +7,10 @@
 
 use std::path::{Path as FsPath, PathBuf};
 
+use airlock_capsule::archive::{self, Archive, DirArchive, StoreBlobs};
 use airlock_capsule::files::{BlobSource, CapsuleFiles, now_rfc3339};
 use airlock_capsule::manifest::Signer;
-use airlock_capsule::migrations::{self, Migration};
-use airlock_capsule::store::{self, CapsuleStore, DirStore, StoreBlobs};
+use airlock_capsule::relocation::{self, Relocation};
 use airlock_capsule::verify::{VerifyOptions, verify_path};
 use airlock_capsule::{AgentId, NodeId, agents};
 use airlock_core::config::Config;
@@ -72,7 +72,7 @@ pub async fn run(command: CapsuleCommand) -> anyhow::Result<()> {
             let pool = airlock_core::db::connect(&cfg.database).await?;
             airlock_core::db::migrate(&pool).await?;
             let signer = if sign { Some(Signer::from_env(&cfg.capsules.signing_key_env)?) } else { None };
-            let store = DirStore::new(&cfg.capsules.store_dir);
+            let store = DirArchive::new(&cfg.capsules.store_dir);
             let m = export(&pool, &store, &AgentId::parse(&agent_id)?, &out, tar, signer.as_ref()).await?;
             println!(
                 "exported {} epoch {} (holder {}) to {}",
@@ -87,7 +87,7 @@ pub async fn run(command: CapsuleCommand) -> anyhow::Result<()> {
             let cfg = Config::load()?;
             let pool = airlock_core::db::connect(&cfg.database).await?;
             airlock_core::db::migrate(&pool).await?;
-            let store = DirStore::new(&cfg.capsules.store_dir);
+            let store = DirArchive::new(&cfg.capsules.store_dir);
             let a = import(&pool, &store, &path, &cli_actor()).await?;
             println!("imported {} at epoch {}", a.id, a.epoch);
             Ok(())
@@ -119,7 +119,7 @@ pub fn verify(path: &FsPath, opts: &VerifyOptions) -> anyhow::Result<()> {
 /// Writes the agent's latest checkpoint from the store as a capsule folder or tar.
 pub async fn export(
     pool: &PgPool,
-    store: &dyn CapsuleStore,
+    store: &dyn Archive,
     agent: &AgentId,
     out: &FsPath,
     tar: bool,
@@ -146,12 +146,7 @@ pub async fn export(
 
 /// Verifies a capsule folder or tar and stores it: blobs and checkpoint into the store,
 /// the agent into Postgres (new, or a newer epoch of a stored agent), audited.
-pub async fn import(
-    pool: &PgPool,
-    store: &dyn CapsuleStore,
-    path: &FsPath,
-    actor: &str,
-) -> anyhow::Result<agents::Agent> {
+pub async fn import(pool: &PgPool, store: &dyn Archive, path: &FsPath, actor: &str) -> anyhow::Result<agents::Agent> {
     let report = verify_path(path, &VerifyOptions::default())?;
     if !report.is_ok() {
         let lines: Vec<String> = report.problems.iter().map(ToString::to_string).collect();
@@ -181,7 +176,7 @@ pub async fn import(
         },
     )
     .await?;
-    store::put_capsule(store, &cap, blobs.as_ref())?;
+    archive::put_capsule(store, &cap, blobs.as_ref())?;
     tx.commit().await?;
     Ok(row)
 }
@@ -218,8 +213,8 @@ pub struct MigrationBody {
     reason: Option<String>,
 }
 
-fn migration_error(e: migrations::MigrationError) -> ApiError {
-    use migrations::MigrationError as M;
+fn migration_error(e: relocation::RelocationError) -> ApiError {
+    use relocation::RelocationError as M;
     match e {
         M::Agent(agents::AgentError::NotFound(_)) => ApiError::not_found("agent"),
         M::Agent(agents::AgentError::InvalidTransition(m)) => ApiError::invalid_transition(m),
@@ -250,7 +245,7 @@ pub async fn create_migration(
     }
     let mut tx = state.pool.begin().await?;
     let m =
-        migrations::create(&mut tx, &agent, &target, &who.name, MIGRATE_MAX_ATTEMPTS).await.map_err(migration_error)?;
+        relocation::create(&mut tx, &agent, &target, &who.name, MIGRATE_MAX_ATTEMPTS).await.map_err(migration_error)?;
     airlock_core::audit::record(
         &mut tx,
         who,
@@ -269,8 +264,8 @@ pub async fn create_migration(
 }
 
 /// The public view of a migration with its history.
-pub async fn migration_view(pool: &PgPool, m: &Migration) -> Result<Value, sqlx::Error> {
-    let history = migrations::history(pool, m.id).await?;
+pub async fn migration_view(pool: &PgPool, m: &Relocation) -> Result<Value, sqlx::Error> {
+    let history = relocation::history(pool, m.id).await?;
     Ok(json!({
         "id": m.id, "agent_id": m.agent_id, "source_node": m.source_node, "target_node": m.target_node,
         "from_epoch": m.from_epoch, "epoch": m.epoch, "phase": m.phase, "outcome": m.outcome(),
@@ -291,6 +286,6 @@ pub async fn get_migration(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     auth.require(Role::Operator)?;
-    let m = migrations::get(&pool, parse_id(&id)?).await?.ok_or_else(|| ApiError::not_found("migration"))?;
+    let m = relocation::get(&pool, parse_id(&id)?).await?.ok_or_else(|| ApiError::not_found("migration"))?;
     Ok(Json(migration_view(&pool, &m).await?))
 }

@@ -201,7 +201,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 JobsCommand::Retry { id, reason } => ("job.retry", id, reason),
                 JobsCommand::Cancel { id, reason } => ("job.cancel", id, reason),
             };
-            let job_id = uuid::Uuid::parse_str(id).map_err(|_| anyhow::anyhow!("`{id}` is not a job id"))?;
+            let job_id: airlock_core::ids::JobId = id.parse().map_err(|_| anyhow::anyhow!("`{id}` is not a job id"))?;
             if reason.trim().is_empty() {
                 anyhow::bail!("--reason must not be empty");
             }

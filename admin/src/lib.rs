@@ -1,7 +1,12 @@
-//! airlock-admin: the reviewer/operator HTTP API and the operator CLI.
+//! airlock-admin: the reviewer/operator HTTP API, its web page and the operator CLI.
 //!
-//! [`cli`] is the command line (`serve`, `migrate`, `token create`); [`server`] builds the
-//! HTTP router, so tests can start it in-process.
+//! A tour:
+//! - [`cli`]: the command line (`serve`, `migrate`, `token`, `jobs`, `capsule`, `sandbox`).
+//! - [`server`]: the HTTP router and its handlers (deliveries, review, the send switch,
+//!   grants, audit, jobs and workers), built so tests can start it in-process.
+//! - [`capsule`]: the capsule commands and the agent and relocation routes.
+//! - [`sandbox`]: the operator's sandbox routes and the `sandbox report` command.
+//! - [`page`]: the web page served at `/`.
 
 pub mod capsule;
 pub mod cli;

@@ -143,9 +143,9 @@ pub(crate) fn encode_cursor(s: &str) -> String {
 }
 
 /// Reads a `(created_at, id)` cursor of a list ordered oldest first.
-pub(crate) fn decode_time_cursor(
+pub(crate) fn decode_time_cursor<Id: std::str::FromStr>(
     cursor: Option<&str>,
-) -> Result<Option<(chrono::DateTime<chrono::Utc>, uuid::Uuid)>, ApiError> {
+) -> Result<Option<(chrono::DateTime<chrono::Utc>, Id)>, ApiError> {
     let Some(c) = cursor else { return Ok(None) };
     let raw = decode_cursor(c)?;
     let (at, id) = raw.split_once('|').ok_or_else(|| ApiError::validation("cursor: malformed"))?;
@@ -156,9 +156,9 @@ pub(crate) fn decode_time_cursor(
 }
 
 /// The cursor after the last row of a full page; `None` on the last page.
-pub(crate) fn next_time_cursor(
+pub(crate) fn next_time_cursor<Id: std::fmt::Display>(
     more: bool,
-    last: Option<(chrono::DateTime<chrono::Utc>, uuid::Uuid)>,
+    last: Option<(chrono::DateTime<chrono::Utc>, Id)>,
 ) -> Option<String> {
     match (more, last) {
         (true, Some((at, id))) => {

@@ -2,7 +2,8 @@
 //!
 //! Every route but the health checks needs an agent's bearer token, and an agent sees only
 //! its own runs, deliveries and tasks (anything else is 404, so ids do not leak). [`router`]
-//! builds the service so tests can start it in-process; `main.rs` binds it.
+//! builds the service so tests can start it in-process; `main.rs` binds it. [`tasks`] holds
+//! the sandboxed-task routes.
 
 use std::sync::Arc;
 
@@ -164,9 +165,8 @@ async fn create_run(
     responses((status = 200, description = "the run"), (status = 404, description = "no such run of this agent")))]
 async fn get_run(State(pool): State<PgPool>, auth: Auth, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let agent = auth.agent()?;
-    let run = airlock_runs::store::get(&pool, parse_id(&id)?.into(), agent)
-        .await?
-        .ok_or_else(|| ApiError::not_found("run"))?;
+    let run =
+        airlock_runs::store::get(&pool, parse_id(&id)?, agent).await?.ok_or_else(|| ApiError::not_found("run"))?;
     Ok(Json(run_json(&run)))
 }
 

@@ -22,7 +22,50 @@ pub enum AgentState {
     Migrating,
 }
 
+/// What moves an agent between its states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AgentAction {
+    /// A capsule imported as a new agent, or as a newer epoch of a stored one.
+    Import,
+    /// A relocation takes it (a fresh epoch is allocated).
+    Relocate,
+    /// The relocation moved it: its new holder runs it.
+    Arrive,
+    /// The relocation did not move it, and it had no holder: back to the store.
+    ReturnToStore,
+    /// The relocation did not move it: back to the holder it had.
+    ReturnToHolder,
+}
+
+impl AgentAction {
+    pub const ALL: [AgentAction; 5] = [
+        AgentAction::Import,
+        AgentAction::Relocate,
+        AgentAction::Arrive,
+        AgentAction::ReturnToStore,
+        AgentAction::ReturnToHolder,
+    ];
+}
+
+/// The one table of an agent's legal moves (the guarded statements below make exactly
+/// these). An agent a node runs, or one being relocated, is never imported over: that
+/// would make two copies.
+pub fn next(from: AgentState, action: AgentAction) -> Option<AgentState> {
+    use AgentAction as A;
+    use AgentState as S;
+    match (from, action) {
+        (S::Stored, A::Import) => Some(S::Stored),
+        (S::Stored | S::Active, A::Relocate) => Some(S::Migrating),
+        (S::Migrating, A::Arrive) => Some(S::Active),
+        (S::Migrating, A::ReturnToStore) => Some(S::Stored),
+        (S::Migrating, A::ReturnToHolder) => Some(S::Active),
+        _ => None,
+    }
+}
+
 impl AgentState {
+    pub const ALL: [AgentState; 3] = [AgentState::Stored, AgentState::Active, AgentState::Migrating];
+
     pub fn as_str(self) -> &'static str {
         match self {
             AgentState::Stored => "stored",
@@ -137,4 +180,29 @@ pub async fn abort_migration(db: impl PgExecutor<'_>, id: &AgentId) -> Result<()
         return Err(AgentError::InvalidTransition(format!("agent {id} is not migrating")));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_whole_table() {
+        use AgentAction as A;
+        use AgentState as S;
+        let expected = [
+            (S::Stored, A::Import, S::Stored),
+            (S::Stored, A::Relocate, S::Migrating),
+            (S::Active, A::Relocate, S::Migrating),
+            (S::Migrating, A::Arrive, S::Active),
+            (S::Migrating, A::ReturnToStore, S::Stored),
+            (S::Migrating, A::ReturnToHolder, S::Active),
+        ];
+        for from in S::ALL {
+            for action in A::ALL {
+                let want = expected.iter().find(|(f, a, _)| *f == from && *a == action).map(|(_, _, to)| *to);
+                assert_eq!(next(from, action), want, "{from:?} by {action:?}");
+            }
+        }
+    }
 }

@@ -3,7 +3,7 @@
 //! A spec lists an image or a tier, packages, literal variables and the names of secrets.
 //! A literal variable whose name contains `TOKEN` or `KEY` is refused (at import and at
 //! export), since a literal there is almost always a leaked credential. Secret values come
-//! from the host's keyring ([`airlock_core::secret::Keyring`]) into a [`RunEnv`] that lives for one run and is never
+//! from the host's keyring ([`airlock_core::secret::Keyring`]) into a [`ResolvedEnv`] that lives for one run and is never
 //! serialized: nothing resolved is ever written back into a capsule.
 
 use std::collections::BTreeMap;
@@ -99,21 +99,21 @@ fn valid_var_name(name: &str) -> bool {
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
 }
 
-/// The variables of one run: literals and resolved secrets. It has no `Serialize` and its
+/// The variables of one execution (a sandbox task, an agent on a node): literals and resolved secrets. It has no `Serialize` and its
 /// `Debug` hides secret values; drop it when the run ends.
-pub struct RunEnv {
+pub struct ResolvedEnv {
     literals: Vec<(String, String)>,
     secrets: Vec<(String, Secret)>,
 }
 
-impl std::fmt::Debug for RunEnv {
+impl std::fmt::Debug for ResolvedEnv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let names: Vec<&str> = self.secrets.iter().map(|(n, _)| n.as_str()).collect();
-        f.debug_struct("RunEnv").field("literals", &self.literals).field("secrets", &names).finish()
+        f.debug_struct("ResolvedEnv").field("literals", &self.literals).field("secrets", &names).finish()
     }
 }
 
-impl RunEnv {
+impl ResolvedEnv {
     /// Every variable, for handing to the process of the run.
     pub fn vars(&self) -> impl Iterator<Item = (&str, &str)> {
         self.literals
@@ -124,14 +124,14 @@ impl RunEnv {
 }
 
 /// Resolves a spec against the host keyring for one run. Every named secret must exist.
-pub fn resolve(spec: &EnvSpec, keyring: &dyn Keyring) -> Result<RunEnv, EnvError> {
+pub fn resolve(spec: &EnvSpec, keyring: &dyn Keyring) -> Result<ResolvedEnv, EnvError> {
     spec.validate()?;
     let mut secrets = Vec::with_capacity(spec.secrets.len());
     for name in &spec.secrets {
         let value = keyring.get(name).ok_or_else(|| EnvError::MissingSecret(name.clone()))?;
         secrets.push((name.clone(), value));
     }
-    Ok(RunEnv { literals: spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(), secrets })
+    Ok(ResolvedEnv { literals: spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(), secrets })
 }
 
 #[cfg(test)]

@@ -13,24 +13,25 @@
 //! - [`env`]: `environment/spec.json` (secret names only) and the host keyring that lends
 //!   secret values to one run.
 //! - [`render`]: pure functions from the journal to provider messages, and `fit`.
-//! - [`store`]: the durable copy of each agent's latest checkpoint, behind a trait.
+//! - [`archive`]: the durable copy of each agent's latest checkpoint and its blobs, behind a
+//!   trait (a directory today; an object store later).
 //! - [`protocol`]: the node protocol (types, request authentication, the HTTP client).
-//! - [`agents`] and [`migrations`]: the Postgres side (holder and epoch of each agent; the
+//! - [`agents`] and [`relocation`]: the Postgres side (holder and epoch of each agent; the
 //!   phases of each migration).
 //!
 //! Invariants: a capsule names its agent by one id everywhere; a blob's file name is the
 //! sha256 of its content; nothing but secret *names* is ever written into a capsule.
 
 pub mod agents;
+pub mod archive;
 pub mod env;
 pub mod files;
 pub mod fsio;
 pub mod journal;
 pub mod manifest;
-pub mod migrations;
 pub mod protocol;
+pub mod relocation;
 pub mod render;
-pub mod store;
 pub mod verify;
 
 use sha2::{Digest, Sha256};

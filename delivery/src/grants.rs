@@ -13,10 +13,10 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sqlx::{FromRow, PgExecutor, Postgres, Transaction};
-use uuid::Uuid;
 
 use crate::artifact::{Artifact, Channel, origin_of};
 use airlock_core::audit;
+use airlock_core::ids::GrantId;
 use airlock_core::principals::Principal;
 
 /// The longest a grant may live.
@@ -26,7 +26,7 @@ pub const MAX_USES: i32 = 1_000_000;
 
 #[derive(Debug, Clone, FromRow, Serialize)]
 pub struct Grant {
-    pub id: Uuid,
+    pub id: GrantId,
     pub created_by: String,
     pub reason: String,
     pub channel: Channel,
@@ -165,7 +165,7 @@ pub async fn create(tx: &mut Transaction<'_, Postgres>, who: &Principal, g: &New
                                min_score, expires_at, max_uses)
            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING *"#,
     )
-    .bind(Uuid::now_v7())
+    .bind(GrantId::new())
     .bind(&who.name)
     .bind(g.reason.trim())
     .bind(c.channel)
@@ -200,7 +200,7 @@ pub async fn create(tx: &mut Transaction<'_, Postgres>, who: &Principal, g: &New
 pub async fn revoke(
     tx: &mut Transaction<'_, Postgres>,
     who: &Principal,
-    id: Uuid,
+    id: GrantId,
     reason: &str,
 ) -> Result<Grant, GrantError> {
     let current: Grant = sqlx::query_as("SELECT * FROM grants WHERE id = $1 FOR UPDATE")
@@ -233,7 +233,7 @@ pub async fn revoke(
 }
 
 /// Grants, newest first, before a cursor id.
-pub async fn list(db: impl PgExecutor<'_>, before: Option<Uuid>, limit: i64) -> Result<Vec<Grant>, sqlx::Error> {
+pub async fn list(db: impl PgExecutor<'_>, before: Option<GrantId>, limit: i64) -> Result<Vec<Grant>, sqlx::Error> {
     sqlx::query_as("SELECT * FROM grants WHERE ($1::uuid IS NULL OR id < $1) ORDER BY id DESC LIMIT $2")
         .bind(before)
         .bind(limit)
@@ -250,7 +250,7 @@ pub async fn try_use(
     agent: &str,
     artifact: &Artifact,
     score: f64,
-) -> Result<Option<Uuid>, sqlx::Error> {
+) -> Result<Option<GrantId>, sqlx::Error> {
     let mut passed_over = Vec::new();
     while let Some(id) = find_match(&mut **tx, agent, artifact, score, &passed_over).await? {
         if consume(&mut **tx, id).await? {
@@ -268,8 +268,8 @@ pub async fn find_match(
     agent: &str,
     artifact: &Artifact,
     score: f64,
-    passed_over: &[Uuid],
-) -> Result<Option<Uuid>, sqlx::Error> {
+    passed_over: &[GrantId],
+) -> Result<Option<GrantId>, sqlx::Error> {
     let (channel, domains, origin) = match artifact {
         Artifact::Email { email } => {
             let mut d: Vec<String> = email.recipients().map(|a| a.domain().to_ascii_lowercase()).collect();
@@ -305,14 +305,14 @@ pub async fn find_match(
 /// Counts one use of a grant if it is still live and not used up; false otherwise. The row
 /// lock it takes makes a racing user wait and then re-check, so `max_uses` is never
 /// exceeded; call it last before the commit, as every other user of the grant waits.
-pub async fn consume(db: impl PgExecutor<'_>, id: Uuid) -> Result<bool, sqlx::Error> {
+pub async fn consume(db: impl PgExecutor<'_>, id: GrantId) -> Result<bool, sqlx::Error> {
     consume_many(db, id, 1).await
 }
 
 /// Counts `n` uses of a grant at once (deliveries approved together), all or none: false
 /// when the grant is no longer live or has fewer than `n` uses left.
-pub async fn consume_many(db: impl PgExecutor<'_>, id: Uuid, n: i32) -> Result<bool, sqlx::Error> {
-    let used: Option<Uuid> = sqlx::query_scalar(
+pub async fn consume_many(db: impl PgExecutor<'_>, id: GrantId, n: i32) -> Result<bool, sqlx::Error> {
+    let used: Option<GrantId> = sqlx::query_scalar(
         r#"UPDATE grants SET uses = uses + $2
            WHERE id = $1 AND revoked_at IS NULL AND expires_at > now() AND uses + $2 <= max_uses
            RETURNING id"#,
@@ -322,4 +322,16 @@ pub async fn consume_many(db: impl PgExecutor<'_>, id: Uuid, n: i32) -> Result<b
     .fetch_optional(db)
     .await?;
     Ok(used.is_some())
+}
+
+/// How many more uses a grant may give now (0 once it is revoked, expired or used up).
+pub async fn uses_left(db: impl PgExecutor<'_>, id: GrantId) -> Result<i32, sqlx::Error> {
+    let left: Option<i32> = sqlx::query_scalar(
+        r#"SELECT CASE WHEN revoked_at IS NULL AND expires_at > now() THEN greatest(max_uses - uses, 0) ELSE 0 END
+           FROM grants WHERE id = $1"#,
+    )
+    .bind(id)
+    .fetch_optional(db)
+    .await?;
+    Ok(left.unwrap_or(0))
 }

@@ -2,6 +2,7 @@
 //! receipt, without any transport (the worker plugs in `airlock-channels`).
 //!
 //! A tour:
+//! - [`actor`]: who made a change (an agent, a human, a worker, the system).
 //! - [`artifact`]: what an agent hands over (an email or a webhook call), parsed and
 //!   content-addressed by sha256.
 //! - [`policy`]: the send policy: verified senders, allowed webhook origins, idempotency
@@ -15,6 +16,7 @@
 //! - [`outcome`]: what a transport knows after a send.
 //! - [`view`]: the JSON shapes. [`metrics`]: the gauges this crate's tables feed.
 
+pub mod actor;
 pub mod artifact;
 pub mod grants;
 pub mod metrics;

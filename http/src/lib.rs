@@ -429,9 +429,9 @@ pub async fn serve(
     axum::serve(listener, router).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
 }
 
-/// Parses an id from a path segment.
-pub fn parse_id(s: &str) -> Result<uuid::Uuid, ApiError> {
-    uuid::Uuid::parse_str(s).map_err(|_| ApiError::validation(format!("`{s}` is not a UUID")))
+/// Parses an id (a typed id, or a bare UUID) from a path segment or a query value.
+pub fn parse_id<T: std::str::FromStr>(s: &str) -> Result<T, ApiError> {
+    s.parse().map_err(|_| ApiError::validation(format!("`{s}` is not a UUID")))
 }
 
 /// Who may call a route.

@@ -2,11 +2,13 @@
 //!
 //! A tour:
 //! - [`state`]: run states and the one table of legal moves.
-//! - [`store`]: the SQL of `runs` (creation, reads, budget spending).
+//! - [`store`]: the SQL of `runs` (creation, reads).
+//! - [`piece`]: spending from a run inside another crate's statement.
 //!
 //! A run belongs to one agent; every read names the agent, so another agent's run is
 //! simply not found.
 
+pub mod piece;
 pub mod state;
 pub mod store;
 

@@ -323,8 +323,8 @@ pub async fn insert_run(
     )
     .bind(task_id)
     .bind(decision_id)
-    .bind(lease.id)
-    .bind(lease.attempt)
+    .bind(lease.id())
+    .bind(lease.attempt())
     .bind(worker)
     .fetch_one(db)
     .await

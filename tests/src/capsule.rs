@@ -7,15 +7,15 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use airlock_capsule::archive::DirArchive;
 use airlock_capsule::env::EnvSpec;
 use airlock_capsule::files::{CapsuleFiles, Parts};
 use airlock_capsule::journal::{EventKind, Journal};
-use airlock_capsule::migrations::{self, Migration, Phase};
 use airlock_capsule::protocol::{
     CallError, FreezeReply, HaveBlobsReply, HolderState, HttpNode, NodeApi, NodeCall, NodeDirectory, NodeFuture,
     NodeStatus, PrepareRequest,
 };
-use airlock_capsule::store::DirStore;
+use airlock_capsule::relocation::{self, Phase, Relocation};
 use airlock_capsule::verify::{VerifyOptions, verify_path};
 use airlock_capsule::{AgentId, NodeId};
 use airlock_core::secret::MapKeyring;
@@ -233,7 +233,7 @@ fn keyring() -> Arc<MapKeyring> {
 }
 
 impl TestNode {
-    async fn open(id: &str, data_dir: &Path, store: Arc<DirStore>, listener: tokio::net::TcpListener) -> Self {
+    async fn open(id: &str, data_dir: &Path, store: Arc<DirArchive>, listener: tokio::net::TcpListener) -> Self {
         let settings = NodeSettings {
             node_id: NodeId::parse(id).expect("node id"),
             data_dir: data_dir.to_path_buf(),
@@ -255,7 +255,7 @@ impl TestNode {
         }
     }
 
-    pub async fn start(id: &str, data_dir: &Path, store: Arc<DirStore>) -> Self {
+    pub async fn start(id: &str, data_dir: &Path, store: Arc<DirArchive>) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind node");
         Self::open(id, data_dir, store, listener).await
     }
@@ -267,7 +267,7 @@ impl TestNode {
     }
 
     /// Starts the node again from its data directory, on the same address.
-    pub async fn restart(&mut self, store: Arc<DirStore>) {
+    pub async fn restart(&mut self, store: Arc<DirArchive>) {
         let listener = tokio::net::TcpListener::bind(self.addr).await.expect("rebind node");
         *self = Self::open(&self.id.clone(), &self.data_dir.clone(), store, listener).await;
     }
@@ -289,7 +289,7 @@ impl Drop for TestNode {
 
 /// Nodes sharing one capsule store, their clients wrapped for fault injection.
 pub struct Fleet {
-    pub store: Arc<DirStore>,
+    pub store: Arc<DirArchive>,
     pub store_dir: PathBuf,
     pub nodes: Vec<TestNode>,
     pub faults: BTreeMap<String, Arc<FaultyNode>>,
@@ -302,7 +302,7 @@ impl Fleet {
         crate::harness::init_logs();
         let root = std::env::temp_dir().join(format!("airlock-fleet-{}", uuid::Uuid::new_v4()));
         let store_dir = root.join("store");
-        let store = Arc::new(DirStore::new(&store_dir));
+        let store = Arc::new(DirArchive::new(&store_dir));
         let mut nodes = Vec::new();
         let mut faults = BTreeMap::new();
         for id in ids {
@@ -370,7 +370,7 @@ impl Fleet {
             hooks,
         };
         let mut registry = airlock_worker::Registry::new();
-        registry.register(migrations::MIGRATE_JOB, handler);
+        registry.register(relocation::MIGRATE_JOB, handler);
         let worker = airlock_worker::Worker::new(pool.clone(), registry, settings);
         let stop = CancellationToken::new();
         let handle = tokio::spawn(worker.run(stop.clone()));
@@ -448,19 +448,19 @@ impl Observed {
 }
 
 /// Waits until the migration is over (completed or aborted).
-pub async fn wait_migration(pool: &PgPool, id: uuid::Uuid, timeout: Duration) -> Migration {
+pub async fn wait_migration(pool: &PgPool, id: uuid::Uuid, timeout: Duration) -> Relocation {
     crate::harness::wait_for(&format!("migration {id} to finish"), timeout, || {
         let pool = pool.clone();
-        async move { migrations::get(&pool, id).await.ok().flatten().filter(|m| m.phase.is_terminal()) }
+        async move { relocation::get(&pool, id).await.ok().flatten().filter(|m| m.phase.is_terminal()) }
     })
     .await
 }
 
 /// Waits until the migration reaches `phase` or a later one in the same branch.
-pub async fn wait_phase(pool: &PgPool, id: uuid::Uuid, phase: Phase, timeout: Duration) -> Migration {
+pub async fn wait_phase(pool: &PgPool, id: uuid::Uuid, phase: Phase, timeout: Duration) -> Relocation {
     crate::harness::wait_for(&format!("migration {id} to reach {}", phase.as_str()), timeout, || {
         let pool = pool.clone();
-        async move { migrations::get(&pool, id).await.ok().flatten().filter(|m| m.phase == phase) }
+        async move { relocation::get(&pool, id).await.ok().flatten().filter(|m| m.phase == phase) }
     })
     .await
 }

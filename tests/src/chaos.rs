@@ -292,11 +292,8 @@ pub async fn run(cfg: &ChaosConfig) -> anyhow::Result<Summary> {
                     let artifact = artifact(&config, &hooks_origin, run_row.id.uuid(), i)?;
                     let mut tries = 0;
                     loop {
-                        let s = Submission {
-                            run_id: run_row.id.uuid(),
-                            step_id: format!("step-{i}"),
-                            artifact: artifact.clone(),
-                        };
+                        let s =
+                            Submission { run_id: run_row.id, step_id: format!("step-{i}"), artifact: artifact.clone() };
                         match pipeline::submit(&pool, &config, &waker, agent_id, s).await {
                             Ok(_) => break,
                             Err(e) if tries < 600 => {

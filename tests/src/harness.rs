@@ -123,3 +123,10 @@ pub fn init_logs() {
     }
     airlock_core::telemetry::install_crypto_provider();
 }
+
+/// A lease of the same job at the epoch after `lease`'s, which nobody has held: what a
+/// holder that lost its job (or never had it) would present.
+pub async fn lease_never_held(pool: &PgPool, lease: airlock_queue::Lease) -> airlock_queue::Lease {
+    let job = airlock_queue::get(pool, lease.id()).await.expect("the job exists");
+    airlock_queue::Job { attempt: lease.attempt() + 1, ..job }.lease()
+}

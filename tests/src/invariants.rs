@@ -324,7 +324,7 @@ pub async fn check(pool: &PgPool, accepted: &[Received], hooks: &[Hit]) -> Resul
     }
     for d in &deliveries {
         let chain = events.get(&d.id).map(Vec::as_slice).unwrap_or_default();
-        if let Some(seq) = store::verify_chain(d.id, chain) {
+        if let Some(seq) = store::verify_chain(d.id.into(), chain) {
             v.push(format!("delivery {}: the event chain breaks at seq {seq}", d.id));
         }
         if chain.last().map(|e| e.to_state) != Some(d.state) {

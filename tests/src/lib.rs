@@ -1,9 +1,19 @@
-//! airlock-tests: the shared harness for airlock's integration suites.
+//! airlock-tests: the shared harness for airlock's integration suites (the suites are the
+//! group binaries under `tests/tests/`).
 //!
-//! [`harness`] finds binaries and databases, spawns processes and waits with bounds;
-//! [`smtp`] is an in-process SMTP server (STARTTLS, implicit TLS or plain) with
-//! per-connection fault injection, used to check what airlock does when a mail relay
-//! refuses, drops or half-accepts a message.
+//! A tour:
+//! - [`harness`]: finds binaries and databases, spawns processes, waits with bounds.
+//! - [`app`]: [`app::TestApp`], the whole system in-process on port 0 against a fresh
+//!   database, with a real SMTP server and webhook receiver.
+//! - [`smtp`]: an in-process SMTP server (STARTTLS, implicit TLS or plain) with
+//!   per-connection fault injection: a relay that refuses, drops or half-accepts.
+//! - [`webhook`]: a webhook receiver that records every request and answers as told.
+//! - [`pgproxy`]: a TCP proxy in front of Postgres that can cut or stall connections.
+//! - [`reliability`]: helpers of the crash and fault suites.
+//! - [`invariants`]: the promises every suite checks at its end (nothing lost, nothing
+//!   sent twice, every chain intact).
+//! - [`chaos`]: the chaos run (`airlock-chaos`): real workers killed at random.
+//! - [`capsule`]: a fleet of nodes for the capsule and relocation suites.
 
 pub mod app;
 pub mod capsule;

@@ -11,6 +11,7 @@ use airlock_channels::email::{SmtpSender, build_message};
 use airlock_channels::webhook::WebhookSender;
 use airlock_core::config::Config;
 use airlock_core::fault;
+use airlock_core::ids::DeliveryId;
 use airlock_delivery::artifact::Artifact;
 use airlock_delivery::outcome::EffectOutcome;
 use airlock_delivery::pipeline::{self, PipelineError, SendOutcome, SendStart};
@@ -19,17 +20,16 @@ use airlock_delivery::scoring::Scorer;
 use airlock_delivery::state::DeliveryState;
 use airlock_queue::{self as queue, Lease, Rescued, Waker};
 use sqlx::{PgPool, Postgres, Transaction};
-use uuid::Uuid;
 
 use crate::batch::{BatchFn, Batcher};
 use crate::handler::{BoxFuture, Handler, HandlerError, JobContext, Outcome};
 
-fn delivery_id(ctx: &JobContext) -> Result<Uuid, HandlerError> {
+fn delivery_id(ctx: &JobContext) -> Result<DeliveryId, HandlerError> {
     ctx.job
         .payload
         .get("delivery_id")
         .and_then(|v| v.as_str())
-        .and_then(|s| Uuid::parse_str(s).ok())
+        .and_then(|s| s.parse().ok())
         .ok_or_else(|| HandlerError::permanent("payload has no delivery_id"))
 }
 
@@ -43,7 +43,7 @@ fn retry(e: PipelineError) -> HandlerError {
 /// Scores persisted deliveries. The score jobs this process runs at the same time are
 /// scored together, in one transaction (see [`pipeline::score_many`] and [`Batcher`]).
 pub struct ScoreHandler {
-    scores: Batcher<(PgPool, Lease, Uuid), Result<(), PipelineError>>,
+    scores: Batcher<(PgPool, Lease, DeliveryId), Result<(), PipelineError>>,
 }
 
 /// Batches of one kind in flight at once in one process. One: what arrives while a batch
@@ -58,12 +58,12 @@ impl ScoreHandler {
         // its first job, and the sends it enqueues are announced by one waker on the pool
         // of the first batch.
         let waker = Arc::new(std::sync::OnceLock::<Waker>::new());
-        let serve: BatchFn<(PgPool, Lease, Uuid), Result<(), PipelineError>> = Arc::new(move |batch| {
+        let serve: BatchFn<(PgPool, Lease, DeliveryId), Result<(), PipelineError>> = Arc::new(move |batch| {
             let (config, scorer, waker) = (config.clone(), scorer.clone(), waker.clone());
             Box::pin(async move {
                 let pool = &batch[0].0;
                 let waker = waker.get_or_init(|| Waker::new(pool.clone()));
-                let items: Vec<(Lease, Uuid)> = batch.iter().map(|(_, lease, id)| (*lease, *id)).collect();
+                let items: Vec<(Lease, DeliveryId)> = batch.iter().map(|(_, lease, id)| (*lease, *id)).collect();
                 pipeline::score_many(pool, &config, waker, scorer.as_ref(), &items).await
             })
         });
@@ -94,12 +94,12 @@ fn stopped() -> HandlerError {
 }
 
 /// Sends approved deliveries. The transactions A and B of the sends this process runs at
-/// the same time are shared (see [`pipeline::begin_send_many`], [`pipeline::record_sent_many`]).
+/// the same time are shared (see [`pipeline::begin_send_many`], [`pipeline::record_many`]).
 pub struct SendHandler {
     worker_id: String,
     smtp: Option<SmtpSender>,
     webhook: Option<WebhookSender>,
-    starts: Batcher<(PgPool, Lease, Uuid), Result<SendStart, PipelineError>>,
+    starts: Batcher<(PgPool, Lease, DeliveryId), Result<SendStart, PipelineError>>,
     records: Batcher<(PgPool, SendOutcome), Result<DeliveryState, PipelineError>>,
 }
 
@@ -111,10 +111,10 @@ impl SendHandler {
         webhook: Option<WebhookSender>,
     ) -> Self {
         let worker = worker_id.clone();
-        let start: BatchFn<(PgPool, Lease, Uuid), Result<SendStart, PipelineError>> = Arc::new(move |batch| {
+        let start: BatchFn<(PgPool, Lease, DeliveryId), Result<SendStart, PipelineError>> = Arc::new(move |batch| {
             let (cfg, worker) = (config.clone(), worker.clone());
             Box::pin(async move {
-                let items: Vec<(Lease, Uuid)> = batch.iter().map(|(_, lease, id)| (*lease, *id)).collect();
+                let items: Vec<(Lease, DeliveryId)> = batch.iter().map(|(_, lease, id)| (*lease, *id)).collect();
                 pipeline::begin_send_many(&batch[0].0, &cfg, &worker, &items).await
             })
         });
@@ -124,7 +124,7 @@ impl SendHandler {
             Box::pin(async move {
                 let pool = batch[0].0.clone();
                 let items: Vec<SendOutcome> = batch.into_iter().map(|(_, s)| s).collect();
-                pipeline::record_sent_many(&pool, &worker, &items).await
+                pipeline::record_many(&pool, &worker, &items).await
             })
         });
         Self {
@@ -158,8 +158,8 @@ impl Handler for SendHandler {
                 // Retry only when the job shows no effect started under this lease; otherwise
                 // the rescuer settles job and delivery together once the lease expires.
                 Err(PipelineError::Db(e)) => {
-                    return match queue::get(&ctx.pool, lease.id).await {
-                        Ok(job) if job.attempt == lease.attempt && job.effect_started_at.is_none() => {
+                    return match queue::get(&ctx.pool, lease.id()).await {
+                        Ok(job) if job.attempt == lease.attempt() && job.effect_started_at.is_none() => {
                             Err(HandlerError::retry(e.to_string()))
                         }
                         _ => {
@@ -212,15 +212,10 @@ impl Handler for SendHandler {
             if fault::hit("send.after_effect").await.is_err() {
                 return Ok(Outcome::Finalized);
             }
-            // A sent outcome is recorded together with the others being recorded at the time;
-            // any other outcome, or a database error, goes through the retrying path alone.
-            let together = match &outcome {
-                EffectOutcome::Sent { .. } => {
-                    let s = SendOutcome { lease, delivery: d.clone(), attempt_id, outcome: outcome.clone() };
-                    records.call((ctx.pool.clone(), s)).await
-                }
-                _ => None,
-            };
+            // Recorded together with the others being recorded at the time; a database error
+            // goes through the retrying path alone.
+            let s = SendOutcome { lease, delivery: d.clone(), attempt_id, outcome: outcome.clone() };
+            let together = records.call((ctx.pool.clone(), s)).await;
             let recorded = match together {
                 Some(Err(PipelineError::Db(_))) | None => {
                     pipeline::record_outcome_until_done(

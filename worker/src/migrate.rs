@@ -19,9 +19,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use airlock_capsule::migrations::{self, Changes, Migration, MigrationError, Phase};
+use airlock_capsule::archive::{Archive, DirArchive};
 use airlock_capsule::protocol::{CallError, HolderState, NodeApi, NodeDirectory, PrepareRequest};
-use airlock_capsule::store::{CapsuleStore, DirStore};
+use airlock_capsule::relocation::{self, Changes, Phase, Relocation, RelocationError};
 use airlock_capsule::{AgentId, CapsuleFiles, agents};
 use airlock_core::config::Config;
 use serde_json::json;
@@ -29,7 +29,7 @@ use uuid::Uuid;
 
 use crate::handler::{BoxFuture, Handler, HandlerError, JobContext, Outcome, Registry};
 
-pub use airlock_capsule::migrations::MIGRATE_JOB;
+pub use airlock_capsule::relocation::MIGRATE_JOB;
 
 /// Test hooks: no-ops unless a test installs them.
 #[derive(Default)]
@@ -41,6 +41,19 @@ pub struct MigrateHooks {
 }
 
 impl MigrateHooks {
+    /// Every phase the handler can halt after: each one it records and then goes on from.
+    /// (`created` is recorded by the admin route; `completed` and `aborted` end the job.)
+    pub const POINTS: [Phase; 8] = [
+        Phase::Frozen,
+        Phase::Proposed,
+        Phase::Transferred,
+        Phase::Prepared,
+        Phase::Activating,
+        Phase::Activated,
+        Phase::Retired,
+        Phase::Aborting,
+    ];
+
     pub fn halt_after(&self, phase: Option<Phase>) {
         *self.halt_after.lock().unwrap_or_else(|e| e.into_inner()) = phase;
     }
@@ -53,7 +66,7 @@ impl MigrateHooks {
 #[derive(Clone)]
 pub struct MigrateHandler {
     pub nodes: NodeDirectory,
-    pub store: Arc<dyn CapsuleStore>,
+    pub store: Arc<dyn Archive>,
     pub worker_id: String,
     /// How long to wait before asking an unresponsive node again after the point of no
     /// return.
@@ -72,7 +85,7 @@ pub fn register(r: &mut Registry, cfg: &Config, worker_id: &str) -> anyhow::Resu
     })?;
     let handler = MigrateHandler {
         nodes: NodeDirectory::from_config(cfg, secret)?,
-        store: Arc::new(DirStore::new(&cfg.capsules.store_dir)),
+        store: Arc::new(DirArchive::new(&cfg.capsules.store_dir)),
         worker_id: worker_id.to_string(),
         retry: Duration::from_millis(cfg.capsules.migrate_retry_ms),
         hooks: Arc::default(),
@@ -94,7 +107,7 @@ enum Step {
 #[derive(Debug, thiserror::Error)]
 enum StepError {
     #[error(transparent)]
-    Migration(#[from] MigrationError),
+    Migration(#[from] RelocationError),
     #[error(transparent)]
     Agent(#[from] agents::AgentError),
     #[error(transparent)]
@@ -131,7 +144,7 @@ impl MigrateHandler {
             if ctx.cancel.is_cancelled() {
                 return Err(HandlerError::retry("cancelled"));
             }
-            let m = migrations::get(&ctx.pool, id)
+            let m = relocation::get(&ctx.pool, id)
                 .await
                 .map_err(|e| HandlerError::retry(e.to_string()))?
                 .ok_or_else(|| HandlerError::permanent(format!("migration {id} not found")))?;
@@ -158,7 +171,7 @@ impl MigrateHandler {
                 Step::Finalized => return Ok(Outcome::Finalized),
                 Step::Wait(reason) => {
                     tracing::warn!(%reason, "migration waits");
-                    migrations::note_waiting(&ctx.pool, ctx.lease(), id, m.phase, &reason)
+                    relocation::note_waiting(&ctx.pool, ctx.lease(), id, m.phase, &reason)
                         .await
                         .map_err(|e| HandlerError::retry(e.to_string()))?;
                     return Ok(Outcome::Snooze(self.retry));
@@ -176,30 +189,30 @@ impl MigrateHandler {
     async fn advance(
         &self,
         ctx: &JobContext,
-        m: &Migration,
+        m: &Relocation,
         to: Phase,
         changes: Changes,
         detail: serde_json::Value,
     ) -> Result<Step, StepError> {
         let mut tx = ctx.pool.begin().await?;
-        migrations::advance(&mut tx, ctx.lease(), m.id, m.phase, to, &self.worker_id, changes, detail).await?;
+        relocation::advance(&mut tx, ctx.lease(), m.id, m.phase, to, &self.worker_id, changes, detail).await?;
         tx.commit().await?;
         Ok(Step::Advanced(to))
     }
 
-    async fn abort(&self, ctx: &JobContext, m: &Migration, reason: String) -> Result<Step, StepError> {
+    async fn abort(&self, ctx: &JobContext, m: &Relocation, reason: String) -> Result<Step, StepError> {
         tracing::warn!(%reason, "aborting migration");
         let changes = Changes { reason: Some(reason.clone()), ..Changes::default() };
         self.advance(ctx, m, Phase::Aborting, changes, json!({"reason": reason})).await
     }
 
     /// The checkpoint being moved, as fixed at `frozen`.
-    fn checkpoint(&self, m: &Migration, agent: &AgentId) -> Result<Option<CapsuleFiles>, StepError> {
+    fn checkpoint(&self, m: &Relocation, agent: &AgentId) -> Result<Option<CapsuleFiles>, StepError> {
         let cap = self.store.get_checkpoint(agent).map_err(|e| StepError::Permanent(e.to_string()))?;
         Ok(cap.filter(|c| Some(c.manifest_sha256()) == m.manifest_sha256))
     }
 
-    async fn step(&self, ctx: &JobContext, m: &Migration, crossed_here: bool) -> Result<Step, StepError> {
+    async fn step(&self, ctx: &JobContext, m: &Relocation, crossed_here: bool) -> Result<Step, StepError> {
         let agent = m.agent()?;
         let nodes = self
             .node(&m.target_node)
@@ -328,7 +341,7 @@ impl MigrateHandler {
             }
             Phase::Retired => {
                 let mut tx = ctx.pool.begin().await?;
-                let done = migrations::advance(
+                let done = relocation::advance(
                     &mut tx,
                     ctx.lease(),
                     m.id,
@@ -366,7 +379,7 @@ impl MigrateHandler {
                     }
                 }
                 let mut tx = ctx.pool.begin().await?;
-                migrations::advance(
+                relocation::advance(
                     &mut tx,
                     ctx.lease(),
                     m.id,

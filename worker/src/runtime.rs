@@ -135,7 +135,7 @@ struct Held {
     cancel: CancellationToken,
 }
 
-type InFlight = Arc<Mutex<HashMap<uuid::Uuid, Held>>>;
+type InFlight = Arc<Mutex<HashMap<airlock_core::ids::JobId, Held>>>;
 
 /// How an execution ended, for the shutdown path.
 enum Ended {
@@ -543,16 +543,16 @@ async fn reap(
                 Err(QueueError::LeaseLost { .. }) => {
                     // Lost, finished elsewhere, or its effect started: the rescuer decides.
                 }
-                Err(e) => tracing::warn!(job.id = %lease.id, error = %e, "could not release job"),
+                Err(e) => tracing::warn!(job.id = %lease.id(), error = %e, "could not release job"),
             }
         }
         Err(e) => {
             let lease = task_leases.remove(&e.id())?;
-            lock(in_flight).remove(&lease.id);
-            tracing::error!(job.id = %lease.id, error = %e, "job handler panicked");
+            lock(in_flight).remove(&lease.id());
+            tracing::error!(job.id = %lease.id(), error = %e, "job handler panicked");
             match queue::fail(pool, lease, "handler panicked", false, None).await {
                 Ok(_) => bump(&stats.retried),
-                Err(e) => tracing::warn!(job.id = %lease.id, error = %e, "could not fail panicked job"),
+                Err(e) => tracing::warn!(job.id = %lease.id(), error = %e, "could not fail panicked job"),
             }
         }
     }
@@ -762,7 +762,7 @@ async fn account(batch: Vec<Completion>, done: &HashSet<Lease>, stats: &WorkerSt
             "completed"
         } else {
             bump(&stats.lease_lost);
-            tracing::warn!(job.id = %c.lease.id, job.attempt = c.lease.attempt, "lease lost: result dropped");
+            tracing::warn!(job.id = %c.lease.id(), job.attempt = c.lease.attempt(), "lease lost: result dropped");
             "lease_lost"
         };
         metrics::counter!(airlock_core::metrics::JOBS_ENDED, "kind" => c.kind, "outcome" => outcome).increment(1);
@@ -983,10 +983,10 @@ async fn heartbeat_loop(
                 let map = lock(&in_flight);
                 let mut still_missed = std::collections::HashSet::new();
                 for lease in leases.iter().filter(|l| !held.contains(l)) {
-                    let Some(h) = map.get(&lease.id).filter(|h| h.lease == *lease) else { continue };
+                    let Some(h) = map.get(&lease.id()).filter(|h| h.lease == *lease) else { continue };
                     if missed.contains(lease) {
                         bump(&stats.lease_lost);
-                        tracing::warn!(job.id = %lease.id, job.attempt = lease.attempt, "lease lost: cancelling the job");
+                        tracing::warn!(job.id = %lease.id(), job.attempt = lease.attempt(), "lease lost: cancelling the job");
                         h.cancel.cancel();
                     } else {
                         still_missed.insert(*lease);

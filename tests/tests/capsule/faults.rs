@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use airlock_capsule::migrations::{self, Phase};
 use airlock_capsule::protocol::NodeCall;
+use airlock_capsule::relocation::{self, Phase};
 use airlock_capsule::{AgentId, agents};
 use airlock_tests::app::TestApp;
 use airlock_tests::capsule::{Fleet, When, wait_migration};
@@ -232,20 +232,40 @@ async fn every_call_fails_before_and_after(pool: PgPool) {
     print_table("capsule-fault-matrix (call × when → outcome, holders, staging, verify)", &rows);
 }
 
+/// Where a coordinator killed right after recording a phase leaves its relocation once
+/// another coordinator has finished it: before the point of no return the move goes on;
+/// recorded `activating` without an answer means asking the target (which did not
+/// activate), so it aborts; an abort under way is finished.
+const KILL_ROWS: [(Phase, Phase); 8] = [
+    (Phase::Frozen, Phase::Completed),
+    (Phase::Proposed, Phase::Completed),
+    (Phase::Transferred, Phase::Completed),
+    (Phase::Prepared, Phase::Completed),
+    (Phase::Activating, Phase::Aborted),
+    (Phase::Activated, Phase::Completed),
+    (Phase::Retired, Phase::Completed),
+    (Phase::Aborting, Phase::Aborted),
+];
+
+#[test]
+fn every_halt_point_has_a_row() {
+    for point in MigrateHooks::POINTS {
+        assert!(
+            KILL_ROWS.iter().any(|(p, _)| *p == point),
+            "the coordinator can halt after `{}` but no row kills it there",
+            point.as_str()
+        );
+    }
+    for (p, _) in KILL_ROWS {
+        assert!(MigrateHooks::POINTS.contains(&p), "row `{}` is not a halt point", p.as_str());
+    }
+}
+
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn the_coordinator_killed_after_every_phase_is_finished_by_another(pool: PgPool) {
     let (fleet, app) = start(pool.clone()).await;
     let (_stop, placer) = fleet.start_coordinator(&pool, &app.config, "placer", Arc::default());
-    let phases = [
-        Phase::Frozen,
-        Phase::Proposed,
-        Phase::Transferred,
-        Phase::Prepared,
-        Phase::Activating,
-        Phase::Activated,
-        Phase::Retired,
-        Phase::Aborting,
-    ];
+    let phases: Vec<Phase> = KILL_ROWS.iter().map(|(p, _)| *p).collect();
     let mut agents_placed = Vec::new();
     for (i, _) in phases.iter().enumerate() {
         let agent = format!("kill-{i}");
@@ -269,7 +289,7 @@ async fn the_coordinator_killed_after_every_phase_is_finished_by_another(pool: P
         // Killed: its tasks are dropped where they stand, its lease is left to expire.
         first.abort();
         let _ = first.await;
-        let m = migrations::get(&pool, id).await.unwrap().unwrap();
+        let m = relocation::get(&pool, id).await.unwrap().unwrap();
         assert_eq!(m.phase, phase, "the phase is recorded before anything else happens");
         let job = m.job_id.unwrap();
         sqlx::query("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1")
@@ -295,11 +315,9 @@ async fn the_coordinator_killed_after_every_phase_is_finished_by_another(pool: P
         assert!(max_active.load(Ordering::SeqCst) <= 1, "{case}: two holders at once");
         assert!(obs.staging_clean, "{case}: {obs:?}");
         assert!(obs.verify_problems.is_empty(), "{case}: {:?}", obs.verify_problems);
-        // Before the point of no return the job goes on; recorded `activating` without an
-        // answer means asking the target (which did not activate): abort.
-        let want = if matches!(phase, Phase::Activating | Phase::Aborting) { Phase::Aborted } else { Phase::Completed };
+        let want = KILL_ROWS.iter().find(|(p, _)| *p == phase).map(|(_, end)| *end).unwrap();
         assert_eq!(m.phase, want, "{case}");
-        let history = migrations::history(&pool, id).await.unwrap();
+        let history = relocation::history(&pool, id).await.unwrap();
         let workers: std::collections::BTreeSet<_> = history.iter().filter_map(|h| h.worker.clone()).collect();
         assert!(workers.len() == 2 || phase == Phase::Retired && m.phase == Phase::Completed, "{case}: {workers:?}");
         rows.push(Row {

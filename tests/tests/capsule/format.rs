@@ -199,7 +199,7 @@ async fn literal_credentials_are_refused_at_import_and_export(pool: PgPool) {
     m.files.insert("environment/spec.json".into(), cap.manifest.files["environment/spec.json"].clone());
     std::fs::write(dir.join("manifest.json"), m.to_bytes()).unwrap();
     assert_eq!(admin(&["verify", dir.to_str().unwrap()], &[]), (0, "ok\n".into()));
-    let store = airlock_capsule::store::DirStore::new(t.0.join("store"));
+    let store = airlock_capsule::archive::DirArchive::new(t.0.join("store"));
     let err = airlock_admin::capsule::import(&pool, &store, &dir, "test").await.unwrap_err();
     assert!(err.to_string().contains("API_KEY"), "{err}");
     assert!(agents::get(&pool, &AgentId::parse("agent-k").unwrap()).await.unwrap().is_none());

@@ -7,10 +7,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use airlock_capsule::archive::Archive;
 use airlock_capsule::journal::EventKind;
-use airlock_capsule::migrations::Phase;
 use airlock_capsule::protocol::{self, AppendRequest, CallError, HolderState, HttpNode, NodeApi, NodeCall};
-use airlock_capsule::store::CapsuleStore;
+use airlock_capsule::relocation::Phase;
 use airlock_capsule::verify::{VerifyOptions, verify_path};
 use airlock_capsule::{AgentId, CapsuleFiles};
 use airlock_core::secret::Secret;
@@ -248,7 +248,7 @@ async fn a_node_that_lost_its_holder_record_waits_to_be_reconciled(pool: PgPool)
     worker.abort();
     let _ = worker.await;
     stop.cancel();
-    let m = airlock_capsule::migrations::get(&pool, mid).await.unwrap().unwrap();
+    let m = airlock_capsule::relocation::get(&pool, mid).await.unwrap().unwrap();
     assert_eq!(m.phase, Phase::Activating);
     let b = client(&fleet, "node_b");
     assert!(b.activate(&id, m.epoch).await.unwrap().is_active_at(m.epoch));

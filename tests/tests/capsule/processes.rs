@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use airlock_capsule::AgentId;
+use airlock_capsule::archive::DirArchive;
 use airlock_capsule::journal::EventKind;
 use airlock_capsule::protocol::{AppendRequest, HolderState, HttpNode, NodeApi};
-use airlock_capsule::store::DirStore;
 use airlock_core::secret::Secret;
 use airlock_tests::app::{TempDir, TestApp};
 use airlock_tests::capsule::{FLEET_SECRET, FLEET_SECRET_ENV, SECRET_NAME, sample_capsule_variant, wait_migration};
@@ -79,7 +79,7 @@ async fn two_worker_processes_host_and_move_an_agent(pool: PgPool) {
     }
 
     // Import two agents whose workspaces share two of three bodies.
-    let store = DirStore::new(&store_dir);
+    let store = DirArchive::new(&store_dir);
     for (agent, variant) in [("agent-7", 0u8), ("agent-8", 1u8)] {
         let (cap, blobs) = sample_capsule_variant(agent, "origin", 0, variant);
         let dir = root.join("in").join(agent);

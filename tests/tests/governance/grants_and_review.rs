@@ -360,6 +360,7 @@ async fn revoked_tokens_are_refused_at_once(pool: PgPool) {
 /// chain intact, and nothing written under a lost lease.
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
+    use airlock_core::ids::DeliveryId;
     use airlock_delivery::pipeline::{self, PipelineError};
     use airlock_delivery::scoring::DefaultScorer;
     use airlock_delivery::store;
@@ -377,12 +378,12 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
             let jobs = queue::claim_batch(&app.pool, "probe", &scores, n, Duration::from_secs(60)).await.unwrap();
             assert_eq!(jobs.len() as i64, n, "every score job is claimed");
             jobs.iter()
-                .map(|j| (j.lease(), Uuid::parse_str(j.payload["delivery_id"].as_str().unwrap()).unwrap()))
-                .collect::<Vec<(Lease, Uuid)>>()
+                .map(|j| (j.lease(), j.payload["delivery_id"].as_str().unwrap().parse().unwrap()))
+                .collect::<Vec<(Lease, DeliveryId)>>()
         }
     };
     // Transactions that wrote the scores of `ids`, and how many scores each delivery has.
-    let scored = |ids: Vec<Uuid>| {
+    let scored = |ids: Vec<DeliveryId>| {
         let app = &app;
         async move {
             let tx: i64 =
@@ -401,7 +402,7 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
             (tx, per)
         }
     };
-    let state = |id: Uuid| {
+    let state = |id: DeliveryId| {
         let app = &app;
         async move {
             let d = store::get(&app.pool, id).await.unwrap().unwrap();
@@ -427,8 +428,8 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
         }
     };
 
-    // Six uses, eight matching deliveries: together they would overspend, so each is scored
-    // alone; the first six take the grant, the last two wait for a human.
+    // Six uses, eight matching deliveries: together they would overspend, so the batch is
+    // scored again with only six taking the grant; the last two wait for a human.
     let small = create_grant(&app, grant(&["example.org"], 6, 0.5)).await;
     for i in 0..8 {
         app.submit(TestApp::email(&run, &format!("a{i}"), "Newsletter")).await;
@@ -436,8 +437,8 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
     let items = claim(8).await;
     let results = pipeline::score_many(&app.pool, &app.config, &waker, &scorer, &items).await;
     assert!(results.iter().all(Result::is_ok), "{results:?}");
-    let ids: Vec<Uuid> = items.iter().map(|(_, id)| *id).collect();
-    assert_eq!(scored(ids.clone()).await, (8, vec![1; 8]), "one transaction per delivery, one score each");
+    let ids: Vec<DeliveryId> = items.iter().map(|(_, id)| *id).collect();
+    assert_eq!(scored(ids.clone()).await, (1, vec![1; 8]), "one transaction, one score each");
     let mut states = Vec::new();
     for id in &ids {
         states.push(state(*id).await);
@@ -456,14 +457,14 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
     risky["email"]["text"] = json!(
         "see http://a.example http://b.example http://c.example http://d.example http://e.example http://f.example"
     );
-    let risky = Uuid::parse_str(&app.submit(risky).await).unwrap();
+    let risky = app.submit(risky).await.parse().unwrap();
     let mut other = TestApp::email(&run, "b-other", "Newsletter");
     other["email"]["to"] = json!(["bob@elsewhere.example"]);
-    let other = Uuid::parse_str(&app.submit(other).await).unwrap();
+    let other = app.submit(other).await.parse::<DeliveryId>().unwrap();
     let items = claim(8).await;
     let results = pipeline::score_many(&app.pool, &app.config, &waker, &scorer, &items).await;
     assert!(results.iter().all(Result::is_ok), "{results:?}");
-    let ids: Vec<Uuid> = items.iter().map(|(_, id)| *id).collect();
+    let ids: Vec<DeliveryId> = items.iter().map(|(_, id)| *id).collect();
     assert_eq!(scored(ids.clone()).await, (1, vec![1; 8]), "one transaction for the batch, one score each");
     assert_eq!(state(risky).await, DeliveryState::InReview);
     assert_eq!(state(other).await, DeliveryState::AwaitingApproval);
@@ -485,11 +486,11 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
         app.submit(TestApp::email(&run, &format!("c{i}"), "Newsletter")).await;
     }
     let mut items = claim(3).await;
-    items[1].0.attempt += 1;
+    items[1].0 = airlock_tests::harness::lease_never_held(&app.pool, items[1].0).await;
     let results = pipeline::score_many(&app.pool, &app.config, &waker, &scorer, &items).await;
     assert!(results[0].is_ok() && results[2].is_ok(), "{results:?}");
     assert!(matches!(results[1], Err(PipelineError::Queue(QueueError::LeaseLost { .. }))), "{results:?}");
-    let ids: Vec<Uuid> = items.iter().map(|(_, id)| *id).collect();
+    let ids: Vec<DeliveryId> = items.iter().map(|(_, id)| *id).collect();
     assert_eq!(scored(ids.clone()).await.1, vec![1, 0, 1]);
     assert_eq!(state(ids[1]).await, DeliveryState::Persisted);
     assert_eq!(grant_uses(big).await, (8, 8, 8));

@@ -101,7 +101,7 @@ async fn happy_path_through_http_waits_for_the_switch_and_sends_once(pool: PgPoo
     assert_eq!(s, StatusCode::OK);
     assert_eq!(v["state"], "sent");
     assert!(v.get("artifact").is_none());
-    let uuid = uuid::Uuid::parse_str(&id).unwrap();
+    let uuid: airlock_core::ids::DeliveryId = id.parse().unwrap();
     let evs = airlock_delivery::store::events(&app.pool, uuid).await.unwrap();
     assert_eq!(airlock_delivery::store::verify_chain(uuid, &evs), None);
 
@@ -746,7 +746,7 @@ async fn switch_off_during_a_burst_stops_new_sends(pool: PgPool) {
 async fn send_transactions_write_nothing_under_a_lost_lease(pool: PgPool) {
     use airlock_delivery::outcome::EffectOutcome;
     use airlock_delivery::pipeline::{self, PipelineError, SendStart};
-    use airlock_queue::{Lease, QueueError};
+    use airlock_queue::QueueError;
 
     let app = TestApp::start(pool, &[]).await;
     let (stop, worker) = app.start_worker("w-score");
@@ -757,11 +757,11 @@ async fn send_transactions_write_nothing_under_a_lost_lease(pool: PgPool) {
     worker.await.unwrap().unwrap();
     app.approve(&id).await;
     app.set_switch(true).await;
-    let delivery_id = uuid::Uuid::parse_str(&id).unwrap();
+    let delivery_id: airlock_core::ids::DeliveryId = id.parse().unwrap();
     let sends = ClaimFilter { queues: Some(vec!["send".into()]) };
     let job = queue::claim_batch(&app.pool, "probe", &sends, 1, Duration::from_secs(30)).await.unwrap().remove(0);
     let held = job.lease();
-    let lost = Lease { id: held.id, attempt: held.attempt + 1 };
+    let lost = airlock_tests::harness::lease_never_held(&app.pool, held).await;
 
     let counts = || async {
         let row: (i64, i64, i64, bool, String, String) = sqlx::query_as(
@@ -773,7 +773,7 @@ async fn send_transactions_write_nothing_under_a_lost_lease(pool: PgPool) {
                       (SELECT state::text FROM deliveries WHERE id = $1)"#,
         )
         .bind(delivery_id)
-        .bind(held.id)
+        .bind(held.id())
         .fetch_one(&app.pool)
         .await
         .unwrap();
@@ -851,11 +851,11 @@ async fn smtp_connections_are_reused_and_a_closed_one_is_replaced(pool: PgPool) 
 /// under the lost lease, the cancelled delivery is not started, the others go through.
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn sends_started_and_recorded_together_write_what_one_by_one_would(pool: PgPool) {
+    use airlock_core::ids::DeliveryId as Uuid;
     use airlock_delivery::outcome::EffectOutcome;
     use airlock_delivery::pipeline::{self, PipelineError, SendOutcome, SendStart};
     use airlock_delivery::store::{self, Actor};
     use airlock_queue::{Lease, QueueError};
-    use uuid::Uuid;
 
     let app = TestApp::start(pool, &[]).await;
     let (stop, worker) = app.start_worker("w-score");
@@ -880,7 +880,7 @@ async fn sends_started_and_recorded_together_write_what_one_by_one_would(pool: P
             let jobs = queue::claim_batch(&app.pool, "probe", sends, n, Duration::from_secs(60)).await.unwrap();
             assert_eq!(jobs.len() as i64, n);
             jobs.iter()
-                .map(|j| (j.lease(), Uuid::parse_str(j.payload["delivery_id"].as_str().unwrap()).unwrap()))
+                .map(|j| (j.lease(), j.payload["delivery_id"].as_str().unwrap().parse().unwrap()))
                 .collect::<Vec<(Lease, Uuid)>>()
         }
     };
@@ -932,7 +932,7 @@ async fn sends_started_and_recorded_together_write_what_one_by_one_would(pool: P
     for id in &ids4 {
         assert_eq!(story(*id).await, ("sending".into(), 1, 0, 0));
     }
-    let recorded = pipeline::record_sent_many(&app.pool, "probe", &outcomes).await;
+    let recorded = pipeline::record_many(&app.pool, "probe", &outcomes).await;
     assert!(recorded.iter().all(|r| matches!(r, Ok(DeliveryState::Sent))), "{recorded:?}");
     assert_eq!(transactions("receipts", ids4.clone()).await, 1);
     for id in &ids4 {
@@ -941,7 +941,7 @@ async fn sends_started_and_recorded_together_write_what_one_by_one_would(pool: P
 
     // Three more: one lease lost, one delivery cancelled meanwhile.
     let mut items = claim(3).await;
-    items[0].0.attempt += 1;
+    items[0].0 = airlock_tests::harness::lease_never_held(&app.pool, items[0].0).await;
     let d = store::get(&app.pool, items[1].1).await.unwrap().unwrap();
     let mut tx = app.pool.begin().await.unwrap();
     store::transition(
@@ -964,8 +964,9 @@ async fn sends_started_and_recorded_together_write_what_one_by_one_would(pool: P
     assert_eq!(story(items[1].1).await, ("cancelled".into(), 0, 0, 0));
 
     // Recording with a lost lease among them: one by one, nothing for the lost one.
-    let ghost = SendOutcome { lease: Lease { id: third.lease.id, attempt: third.lease.attempt + 1 }, ..third.clone() };
-    let recorded = pipeline::record_sent_many(&app.pool, "probe", &[ghost, third.clone()]).await;
+    let ghost =
+        SendOutcome { lease: airlock_tests::harness::lease_never_held(&app.pool, third.lease).await, ..third.clone() };
+    let recorded = pipeline::record_many(&app.pool, "probe", &[ghost, third.clone()]).await;
     assert!(matches!(recorded[0], Err(PipelineError::Queue(QueueError::LeaseLost { .. }))), "{recorded:?}");
     assert!(matches!(recorded[1], Ok(DeliveryState::Sent)), "{recorded:?}");
     assert_eq!(story(items[2].1).await, ("sent".into(), 1, 1, 1));

@@ -4,4 +4,5 @@
 #![allow(clippy::unwrap_used)]
 
 mod delivery;
+mod gate;
 mod http_surface;

@@ -5,11 +5,11 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use airlock_core::ids::JobId;
 use airlock_queue::{self as queue, ClaimFilter, EffectClass, FailOutcome, JobState, NewJob, QueueError};
 use serde_json::json;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
-use uuid::Uuid;
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -24,7 +24,7 @@ async fn claim_one(pool: &PgPool, owner: &str) -> Option<queue::Job> {
     queue::claim_batch(pool, owner, &ClaimFilter::default(), 1, LEASE).await.unwrap().pop()
 }
 
-async fn expire_lease(pool: &PgPool, id: Uuid) {
+async fn expire_lease(pool: &PgPool, id: JobId) {
     sqlx::query("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1")
         .bind(id)
         .execute(pool)
@@ -39,7 +39,7 @@ async fn rescue(pool: &PgPool) -> Vec<queue::Rescued> {
     r
 }
 
-async fn make_due(pool: &PgPool, id: Uuid) {
+async fn make_due(pool: &PgPool, id: JobId) {
     sqlx::query("UPDATE jobs SET run_at = now() WHERE id = $1").bind(id).execute(pool).await.unwrap();
 }
 
@@ -364,7 +364,7 @@ async fn retention_prunes_old_finished_jobs_in_batches(pool: PgPool) {
     assert_eq!(queue::prune_finished(&pool, day, 1).await.unwrap(), 1);
     assert_eq!(queue::prune_finished(&pool, day, 1).await.unwrap(), 1);
     assert_eq!(queue::prune_finished(&pool, day, 1).await.unwrap(), 0);
-    let left: Vec<(Uuid, JobState)> =
+    let left: Vec<(JobId, JobState)> =
         sqlx::query_as("SELECT id, state FROM jobs ORDER BY id").fetch_all(&pool).await.unwrap();
     assert_eq!(left.len(), 3);
     assert!(left.iter().any(|(id, s)| *id == claimed[2].id && *s == JobState::Completed), "recent kept");
@@ -462,6 +462,21 @@ async fn writes_fenced_on_a_lease_find_their_rows_through_the_primary_key(pool: 
     let attempts = format!("'{{{}}}'", held.iter().map(|j| j.attempt.to_string()).collect::<Vec<_>>().join(","));
     let one = format!("'{}', {}", held[0].id, held[0].attempt);
     let many = format!("{ids}, {attempts}");
+    // Other crates' statements fence on held jobs through the queue's pieces: their plans
+    // too, for one lease and for several.
+    let piece = |push: fn(&mut queue::piece::Builder, &str, &[queue::Lease]), leases: &[queue::Lease]| {
+        let mut qb = queue::piece::Builder::new("WITH ");
+        push(&mut qb, "p", leases);
+        qb.push(" SELECT count(*) FROM p");
+        qb.into_string()
+    };
+    let leases: Vec<queue::Lease> = held.iter().map(|j| j.lease()).collect();
+    let pieces = [
+        piece(queue::piece::mark_effect_started, &leases[..1]),
+        piece(queue::piece::mark_effect_started, &leases),
+        piece(queue::piece::complete, &leases[..1]),
+        piece(queue::piece::complete, &leases),
+    ];
     let statements = [
         ("heartbeat", queue::HEARTBEAT_SQL, format!("{one}, 30")),
         ("heartbeat_many", queue::HEARTBEAT_MANY_SQL, format!("{many}, 30")),
@@ -469,6 +484,10 @@ async fn writes_fenced_on_a_lease_find_their_rows_through_the_primary_key(pool: 
         ("mark_effect_started", queue::MARK_EFFECT_STARTED_SQL, one.clone()),
         ("complete", queue::COMPLETE_HELD_SQL, one.clone()),
         ("complete_many", queue::complete_many_sql(), many.clone()),
+        ("piece::mark_effect_started of one", pieces[0].as_str(), one.clone()),
+        ("piece::mark_effect_started of many", pieces[1].as_str(), many.clone()),
+        ("piece::complete of one", pieces[2].as_str(), one.clone()),
+        ("piece::complete of many", pieces[3].as_str(), many.clone()),
     ];
     let mut conn = pool.acquire().await.unwrap();
     for (name, sql, args) in statements {
@@ -893,8 +912,8 @@ async fn finish_2000_jobs(pool: PgPool, claim_batch: usize, complete_batch: usiz
     .await;
     stop.cancel();
     run.await.unwrap().unwrap();
-    let seen: Vec<Uuid> = seen.lock().unwrap().clone();
-    let distinct: HashSet<Uuid> = seen.iter().copied().collect();
+    let seen: Vec<JobId> = seen.lock().unwrap().clone();
+    let distinct: HashSet<JobId> = seen.iter().copied().collect();
     assert_eq!(seen.len(), 2000, "each job ran once");
     assert_eq!(distinct.len(), 2000);
     let attempts: i64 =

@@ -3,12 +3,12 @@
 
 use std::time::Duration;
 
+use airlock_core::ids::JobId;
 use airlock_queue::{self as queue, EffectClass, JobState, NewJob};
 use airlock_tests::harness::{self, KillOnDrop};
 use nix::sys::signal::Signal;
 use serde_json::json;
 use sqlx::PgPool;
-use uuid::Uuid;
 
 const WORKER_ENV: &[(&str, &str)] = &[
     ("AIRLOCK__WORKER__DIAGNOSTIC_JOBS", "true"),
@@ -18,14 +18,14 @@ const WORKER_ENV: &[(&str, &str)] = &[
     ("AIRLOCK__WORKER__SHUTDOWN_GRACE_SECONDS", "30"),
 ];
 
-async fn enqueue(pool: &PgPool, job: NewJob) -> Uuid {
+async fn enqueue(pool: &PgPool, job: NewJob) -> JobId {
     let mut tx = pool.begin().await.unwrap();
     let e = queue::enqueue(&mut tx, &job).await.unwrap();
     tx.commit().await.unwrap();
     e.id
 }
 
-async fn wait_state(pool: &PgPool, id: Uuid, state: JobState, timeout: Duration) -> queue::Job {
+async fn wait_state(pool: &PgPool, id: JobId, state: JobState, timeout: Duration) -> queue::Job {
     harness::wait_for(&format!("job {id} to be {}", state.as_str()), timeout, || {
         let pool = pool.clone();
         async move {

@@ -21,12 +21,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use airlock_capsule::archive::{self, Archive};
 use airlock_capsule::env;
 use airlock_capsule::files::{CapsuleFiles, DirBlobs};
 use airlock_capsule::journal::EventKind;
 use airlock_capsule::protocol::{FreezeReply, HaveBlobsReply, HolderState, NodeStatus, PrepareRequest};
 use airlock_capsule::render::{self, Provider};
-use airlock_capsule::store::{self, CapsuleStore};
 use airlock_capsule::verify::{self, VerifyOptions};
 use airlock_capsule::{AgentId, NodeId, agents, fsio, is_sha256_hex, sha256_hex};
 use airlock_core::secret::Keyring;
@@ -99,7 +99,7 @@ pub struct ReconcileCounts {
 pub struct NodeService {
     id: NodeId,
     layout: Layout,
-    store: Arc<dyn CapsuleStore>,
+    store: Arc<dyn Archive>,
     keyring: Arc<dyn Keyring>,
     secret: Secret,
     max_skew_seconds: i64,
@@ -113,7 +113,7 @@ impl NodeService {
     /// without a record, and marks working copies without a record as unreconciled.
     pub fn open(
         settings: NodeSettings,
-        store: Arc<dyn CapsuleStore>,
+        store: Arc<dyn Archive>,
         keyring: Arc<dyn Keyring>,
     ) -> std::io::Result<Arc<Self>> {
         let layout = Layout { root: settings.data_dir.clone() };
@@ -265,7 +265,7 @@ impl NodeService {
     /// Writes the working copy to the store; returns the manifest's sha256.
     fn checkpoint_work(&self, id: &AgentId) -> Result<String, NodeError> {
         let (cap, blobs) = CapsuleFiles::read_dir(&self.layout.work(id)).map_err(internal)?;
-        store::put_capsule(self.store.as_ref(), &cap, &blobs).map_err(internal)?;
+        archive::put_capsule(self.store.as_ref(), &cap, &blobs).map_err(internal)?;
         Ok(cap.manifest_sha256())
     }
 
@@ -580,7 +580,7 @@ pub async fn start_from_config(
         secret,
         max_skew_seconds: cfg.capsules.node_max_skew_seconds,
     };
-    let store: Arc<dyn CapsuleStore> = Arc::new(store::DirStore::new(&cfg.capsules.store_dir));
+    let store: Arc<dyn Archive> = Arc::new(archive::DirArchive::new(&cfg.capsules.store_dir));
     let svc = NodeService::open(settings, store, keyring)?;
     let listener = tokio::net::TcpListener::bind(cfg.worker.node_listen).await?;
     tracing::info!(node.id = %id, listen = %listener.local_addr()?, "node service listening");

@@ -1,5 +1,6 @@
-//! The `migrations` table: one row per `capsule.migrate` job, with its phase recorded after
-//! every step of the protocol, so that another worker resumes a half-done migration.
+//! The `relocations` table: one row per move of an agent between nodes (a `capsule.migrate`
+//! job), with its phase recorded after every step of the protocol, so that another worker
+//! resumes a half-done move. Phases are an enum with one table of legal moves ([`next`]).
 //!
 //! Phases, in order: `created` → `frozen` (source frozen, checkpoint fixed) → `proposed`
 //! (target staging the new epoch) → `transferred` (missing blobs sent) → `prepared` →
@@ -23,7 +24,7 @@ use airlock_queue::{self as queue, EffectClass, Lease, NewJob};
 pub const MIGRATE_JOB: &str = "capsule.migrate";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, sqlx::Type)]
-#[sqlx(type_name = "migration_phase", rename_all = "snake_case")]
+#[sqlx(type_name = "relocation_phase", rename_all = "snake_case")]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
     Created,
@@ -83,29 +84,68 @@ impl Phase {
         matches!(self, Phase::Activating | Phase::Activated | Phase::Retired | Phase::Completed)
     }
 
-    /// The one table of legal moves.
+    /// Whether [`next`] has a move from this phase to `to`.
     pub fn can_advance(self, to: Phase) -> bool {
-        use Phase::*;
-        matches!(
-            (self, to),
-            (Created, Frozen)
-                | (Frozen, Proposed)
-                | (Proposed, Transferred)
-                | (Transferred, Prepared)
-                | (Prepared, Activating)
-                | (Activating, Activated)
-                | (Activated, Retired)
-                | (Retired, Completed)
-                | (Created | Frozen | Proposed | Transferred | Prepared, Aborting)
-                // Only once the target has answered that it does not hold the new epoch.
-                | (Activating, Aborting)
-                | (Aborting, Aborted)
-        )
+        Step::ALL.iter().any(|step| next(self, *step) == Some(to))
+    }
+}
+
+/// The steps of the protocol (DESIGN §6), each recorded once done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Step {
+    Freeze,
+    Propose,
+    Transfer,
+    Prepare,
+    /// Recorded *before* the activate call: the point of no return.
+    Activate,
+    Activated,
+    Retire,
+    Complete,
+    /// Before the point of no return; from `activating` only once the target has answered
+    /// that it does not hold the new epoch.
+    Abort,
+    Aborted,
+}
+
+impl Step {
+    pub const ALL: [Step; 10] = [
+        Step::Freeze,
+        Step::Propose,
+        Step::Transfer,
+        Step::Prepare,
+        Step::Activate,
+        Step::Activated,
+        Step::Retire,
+        Step::Complete,
+        Step::Abort,
+        Step::Aborted,
+    ];
+}
+
+/// The one table of a relocation's legal moves.
+pub fn next(from: Phase, step: Step) -> Option<Phase> {
+    use Phase as P;
+    use Step as S;
+    match (from, step) {
+        (P::Created, S::Freeze) => Some(P::Frozen),
+        (P::Frozen, S::Propose) => Some(P::Proposed),
+        (P::Proposed, S::Transfer) => Some(P::Transferred),
+        (P::Transferred, S::Prepare) => Some(P::Prepared),
+        (P::Prepared, S::Activate) => Some(P::Activating),
+        (P::Activating, S::Activated) => Some(P::Activated),
+        (P::Activated, S::Retire) => Some(P::Retired),
+        (P::Retired, S::Complete) => Some(P::Completed),
+        (P::Created | P::Frozen | P::Proposed | P::Transferred | P::Prepared | P::Activating, S::Abort) => {
+            Some(P::Aborting)
+        }
+        (P::Aborting, S::Aborted) => Some(P::Aborted),
+        _ => None,
     }
 }
 
 #[derive(Debug, Clone, FromRow, Serialize)]
-pub struct Migration {
+pub struct Relocation {
     pub id: Uuid,
     pub agent_id: String,
     pub source_node: Option<String>,
@@ -126,9 +166,9 @@ pub struct Migration {
     pub finished_at: Option<DateTime<Utc>>,
 }
 
-impl Migration {
-    pub fn agent(&self) -> Result<AgentId, MigrationError> {
-        AgentId::parse(&self.agent_id).map_err(|e| MigrationError::Invalid(e.to_string()))
+impl Relocation {
+    pub fn agent(&self) -> Result<AgentId, RelocationError> {
+        AgentId::parse(&self.agent_id).map_err(|e| RelocationError::Invalid(e.to_string()))
     }
 
     /// `completed`, `aborted`, or `None` while it runs.
@@ -151,7 +191,7 @@ pub struct PhaseEvent {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum MigrationError {
+pub enum RelocationError {
     #[error("migration {0} not found")]
     NotFound(Uuid),
     #[error(transparent)]
@@ -177,7 +217,7 @@ pub async fn create(
     target: &NodeId,
     requested_by: &str,
     max_attempts: i32,
-) -> Result<Migration, MigrationError> {
+) -> Result<Relocation, RelocationError> {
     let a = agents::get(&mut **tx, agent).await?.ok_or_else(|| AgentError::NotFound(agent.to_string()))?;
     if a.holder.as_deref() == Some(target.as_str()) {
         return Err(AgentError::InvalidTransition(format!("agent {agent} already runs on {target}")).into());
@@ -192,8 +232,8 @@ pub async fn create(
     if !enq.inserted {
         return Err(AgentError::InvalidTransition(format!("a migration job of agent {agent} is still live")).into());
     }
-    let m: Migration = sqlx::query_as(
-        r#"INSERT INTO migrations (id, agent_id, source_node, target_node, from_epoch, epoch, requested_by, job_id)
+    let m: Relocation = sqlx::query_as(
+        r#"INSERT INTO relocations (id, agent_id, source_node, target_node, from_epoch, epoch, requested_by, job_id)
            VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING *"#,
     )
     .bind(id)
@@ -210,12 +250,12 @@ pub async fn create(
     Ok(m)
 }
 
-pub async fn get(db: impl PgExecutor<'_>, id: Uuid) -> Result<Option<Migration>, sqlx::Error> {
-    sqlx::query_as("SELECT * FROM migrations WHERE id = $1").bind(id).fetch_optional(db).await
+pub async fn get(db: impl PgExecutor<'_>, id: Uuid) -> Result<Option<Relocation>, sqlx::Error> {
+    sqlx::query_as("SELECT * FROM relocations WHERE id = $1").bind(id).fetch_optional(db).await
 }
 
 pub async fn history(db: impl PgExecutor<'_>, id: Uuid) -> Result<Vec<PhaseEvent>, sqlx::Error> {
-    sqlx::query_as("SELECT phase, at, worker, detail FROM migration_events WHERE migration_id = $1 ORDER BY id")
+    sqlx::query_as("SELECT phase, at, worker, detail FROM relocation_events WHERE relocation_id = $1 ORDER BY id")
         .bind(id)
         .fetch_all(db)
         .await
@@ -228,7 +268,7 @@ async fn record_event(
     worker: Option<&str>,
     detail: serde_json::Value,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query("INSERT INTO migration_events (migration_id, phase, worker, detail) VALUES ($1, $2, $3, $4)")
+    sqlx::query("INSERT INTO relocation_events (relocation_id, phase, worker, detail) VALUES ($1, $2, $3, $4)")
         .bind(id)
         .bind(phase)
         .bind(worker)
@@ -259,39 +299,28 @@ pub async fn advance(
     worker: &str,
     changes: Changes,
     detail: serde_json::Value,
-) -> Result<Migration, MigrationError> {
+) -> Result<Relocation, RelocationError> {
     if !from.can_advance(to) {
-        return Err(MigrationError::IllegalMove { id, from: from.as_str(), to: to.as_str() });
+        return Err(RelocationError::IllegalMove { id, from: from.as_str(), to: to.as_str() });
     }
     let (total, sent, skipped, bytes) = match changes.blobs {
         Some((t, s, k, b)) => (Some(t), Some(s), Some(k), Some(b)),
         None => (None, None, None, None),
     };
-    let m: Option<Migration> = sqlx::query_as(
-        r#"UPDATE migrations SET phase = $4, updated_at = now(),
-               finished_at = CASE WHEN $4 IN ('completed', 'aborted') THEN now() END,
-               manifest_sha256 = coalesce($5, manifest_sha256),
-               blobs_total = coalesce($6, blobs_total), blobs_sent = coalesce($7, blobs_sent),
-               blobs_skipped = coalesce($8, blobs_skipped), bytes_sent = coalesce($9, bytes_sent),
-               reason = coalesce($10, reason)
-           WHERE id = $1 AND phase = $3
-             AND EXISTS (SELECT 1 FROM jobs WHERE jobs.id = $2 AND jobs.attempt = $11 AND jobs.state = 'running')
-           RETURNING *"#,
-    )
-    .bind(id)
-    .bind(lease.id)
-    .bind(from)
-    .bind(to)
-    .bind(changes.manifest_sha256)
-    .bind(total)
-    .bind(sent)
-    .bind(skipped)
-    .bind(bytes)
-    .bind(changes.reason)
-    .bind(lease.attempt)
-    .fetch_optional(&mut **tx)
-    .await?;
-    let m = m.ok_or(MigrationError::Fenced { id, expected: from.as_str() })?;
+    let mut qb = queue::piece::Builder::new("UPDATE relocations SET phase = ");
+    qb.push_bind(to).push(", updated_at = now(), finished_at = CASE WHEN ");
+    qb.push_bind(to).push("::relocation_phase IN ('completed', 'aborted') THEN now() END, manifest_sha256 = coalesce(");
+    qb.push_bind(changes.manifest_sha256).push(", manifest_sha256), blobs_total = coalesce(");
+    qb.push_bind(total).push(", blobs_total), blobs_sent = coalesce(");
+    qb.push_bind(sent).push(", blobs_sent), blobs_skipped = coalesce(");
+    qb.push_bind(skipped).push(", blobs_skipped), bytes_sent = coalesce(");
+    qb.push_bind(bytes).push(", bytes_sent), reason = coalesce(");
+    qb.push_bind(changes.reason).push(", reason) WHERE id = ");
+    qb.push_bind(id).push(" AND phase = ").push_bind(from).push(" AND ");
+    queue::piece::push_is_held(&mut qb, lease);
+    qb.push(" RETURNING *");
+    let m: Option<Relocation> = qb.build_query_as().fetch_optional(&mut **tx).await?;
+    let m = m.ok_or(RelocationError::Fenced { id, expected: from.as_str() })?;
     record_event(&mut **tx, id, to, Some(worker), detail).await?;
     Ok(m)
 }
@@ -304,21 +333,14 @@ pub async fn note_waiting(
     id: Uuid,
     phase: Phase,
     reason: &str,
-) -> Result<(), MigrationError> {
-    let r = sqlx::query(
-        r#"UPDATE migrations SET reason = $4, updated_at = now()
-           WHERE id = $1 AND phase = $3
-             AND EXISTS (SELECT 1 FROM jobs WHERE jobs.id = $2 AND jobs.attempt = $5 AND jobs.state = 'running')"#,
-    )
-    .bind(id)
-    .bind(lease.id)
-    .bind(phase)
-    .bind(reason)
-    .bind(lease.attempt)
-    .execute(db)
-    .await?;
+) -> Result<(), RelocationError> {
+    let mut qb = queue::piece::Builder::new("UPDATE relocations SET reason = ");
+    qb.push_bind(reason.to_string()).push(", updated_at = now() WHERE id = ");
+    qb.push_bind(id).push(" AND phase = ").push_bind(phase).push(" AND ");
+    queue::piece::push_is_held(&mut qb, lease);
+    let r = qb.build().execute(db).await?;
     if r.rows_affected() == 0 {
-        return Err(MigrationError::Fenced { id, expected: phase.as_str() });
+        return Err(RelocationError::Fenced { id, expected: phase.as_str() });
     }
     Ok(())
 }
@@ -328,8 +350,8 @@ pub async fn list_for_agent(
     db: impl PgExecutor<'_>,
     agent: &AgentId,
     limit: i64,
-) -> Result<Vec<Migration>, sqlx::Error> {
-    sqlx::query_as("SELECT * FROM migrations WHERE agent_id = $1 ORDER BY created_at DESC, id DESC LIMIT $2")
+) -> Result<Vec<Relocation>, sqlx::Error> {
+    sqlx::query_as("SELECT * FROM relocations WHERE agent_id = $1 ORDER BY created_at DESC, id DESC LIMIT $2")
         .bind(agent.as_str())
         .bind(limit)
         .fetch_all(db)
@@ -339,6 +361,17 @@ pub async fn list_for_agent(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_whole_table() {
+        let moves: usize =
+            Phase::ALL.iter().map(|p| Step::ALL.iter().filter(|s| next(*p, **s).is_some()).count()).sum();
+        assert_eq!(moves, 8 + 6 + 1, "the happy path, six ways to abort, and the end of an abort");
+        for p in [Phase::Completed, Phase::Aborted] {
+            assert!(Step::ALL.iter().all(|s| next(p, *s).is_none()), "{p:?} is final");
+            assert!(p.is_terminal());
+        }
+    }
 
     #[test]
     fn legal_moves() {

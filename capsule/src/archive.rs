@@ -1,8 +1,8 @@
-//! The capsule store: the durable copy of each agent's latest checkpoint.
+//! The capsule archive: the durable copy of each agent's latest checkpoint and its blobs.
 //!
 //! Nodes run an agent from a working copy and checkpoint it back here; `capsule export`
 //! reads from here; a migration sends the target the blobs it lacks from here. The store is
-//! a trait so an object store can replace the default [`DirStore`] (a directory, which
+//! a trait so an object store can replace the default [`DirArchive`] (a directory, which
 //! nodes on several machines must share).
 //!
 //! Invariants: blobs are content-addressed and checked on the way in; a checkpoint is one
@@ -36,7 +36,7 @@ pub enum StoreError {
 }
 
 /// Where checkpoints and blobs are kept.
-pub trait CapsuleStore: Send + Sync + 'static {
+pub trait Archive: Send + Sync + 'static {
     fn has_blob(&self, sha: &str) -> Result<bool, StoreError>;
     /// Stores a blob after checking its hash.
     fn put_blob(&self, sha: &str, bytes: &[u8]) -> Result<(), StoreError>;
@@ -47,7 +47,7 @@ pub trait CapsuleStore: Send + Sync + 'static {
 }
 
 /// Reads blobs of a store as a [`BlobSource`].
-pub struct StoreBlobs<'a>(pub &'a dyn CapsuleStore);
+pub struct StoreBlobs<'a>(pub &'a dyn Archive);
 
 impl BlobSource for StoreBlobs<'_> {
     fn blob(&self, sha: &str) -> std::io::Result<Vec<u8>> {
@@ -64,11 +64,11 @@ struct Stored {
 
 /// The default store: `<root>/blobs/<sha256>` and `<root>/agents/<id>/checkpoint.json`.
 #[derive(Debug, Clone)]
-pub struct DirStore {
+pub struct DirArchive {
     root: PathBuf,
 }
 
-impl DirStore {
+impl DirArchive {
     pub fn new(root: impl Into<PathBuf>) -> Self {
         Self { root: root.into() }
     }
@@ -89,7 +89,7 @@ impl DirStore {
     }
 }
 
-impl CapsuleStore for DirStore {
+impl Archive for DirArchive {
     fn has_blob(&self, sha: &str) -> Result<bool, StoreError> {
         Ok(self.blob_file(sha)?.is_file())
     }
@@ -151,7 +151,7 @@ impl CapsuleStore for DirStore {
 }
 
 /// Puts every blob of `cap` from `blobs` into the store, then the checkpoint.
-pub fn put_capsule(store: &dyn CapsuleStore, cap: &CapsuleFiles, blobs: &dyn BlobSource) -> Result<(), StoreError> {
+pub fn put_capsule(store: &dyn Archive, cap: &CapsuleFiles, blobs: &dyn BlobSource) -> Result<(), StoreError> {
     for sha in cap.blob_hashes() {
         if !store.has_blob(&sha)? {
             let body = blobs.blob(&sha)?;
@@ -168,7 +168,7 @@ mod tests {
     #[test]
     fn checkpoints_are_fenced_by_epoch() {
         let root = std::env::temp_dir().join(format!("airlock-store-{}", uuid::Uuid::new_v4()));
-        let store = DirStore::new(&root);
+        let store = DirArchive::new(&root);
         let (mut cap, blobs) = crate::files::tests::sample();
         assert!(matches!(store.put_checkpoint(&cap), Err(StoreError::MissingBlob(_))));
         put_capsule(&store, &cap, &blobs).unwrap();

@@ -1,0 +1,90 @@
+//! An agent's submission: the intent and the artifact persisted, with the run's step spent
+//! and the scoring job enqueued, in one statement.
+
+use airlock_core::config::Config;
+use airlock_core::ids::{DeliveryId, RunId};
+use airlock_queue::{NewJob, Waker};
+use serde_json::json;
+use sqlx::PgPool;
+
+use super::{PipelineError, SCORE_JOB, check_policy};
+use crate::actor::Actor;
+use crate::artifact::{Artifact, Limits};
+use crate::policy;
+use crate::store::{self, Delivery, NewDelivery};
+
+/// What an agent submits.
+#[derive(Debug, Clone)]
+pub struct Submission {
+    pub run_id: RunId,
+    pub step_id: String,
+    pub artifact: Artifact,
+}
+
+impl Submission {
+    /// Parses a request body: `run_id`, `step_id`, `channel` and its member; nothing else.
+    pub fn parse(body: &serde_json::Value, limits: &Limits) -> Result<Self, PipelineError> {
+        let map = body.as_object().ok_or_else(|| PipelineError::Invalid("body must be a JSON object".into()))?;
+        for k in map.keys() {
+            if !["run_id", "step_id", "channel", "email", "webhook"].contains(&k.as_str()) {
+                return Err(PipelineError::Invalid(format!("{k}: unknown field")));
+            }
+        }
+        let run_id = map
+            .get("run_id")
+            .and_then(|v| v.as_str())
+            .and_then(|s| s.parse::<RunId>().ok())
+            .ok_or_else(|| PipelineError::Invalid("run_id: must be a UUID".into()))?;
+        let step_id = map
+            .get("step_id")
+            .and_then(|v| v.as_str())
+            .filter(|s| !s.is_empty() && s.len() <= 200 && !s.chars().any(char::is_control))
+            .ok_or_else(|| PipelineError::Invalid("step_id: must be a string of 1 to 200 characters".into()))?
+            .to_string();
+        let channel = map
+            .get("channel")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| PipelineError::Invalid("channel: must be \"email\" or \"webhook\"".into()))?;
+        let artifact = Artifact::from_parts(channel, map.get("email"), map.get("webhook"), limits)?;
+        Ok(Self { run_id, step_id, artifact })
+    }
+}
+
+/// Persists a submission: the same run and step with the same artifact returns the
+/// existing delivery (`false`); with another artifact it is a conflict. A new delivery
+/// spends one step of the run's budget and enqueues its scoring, in one statement
+/// ([`store::submit`]); `waker` wakes the workers once it has committed.
+pub async fn submit(
+    pool: &PgPool,
+    cfg: &Config,
+    waker: &Waker,
+    agent: &str,
+    s: Submission,
+) -> Result<(Delivery, bool), PipelineError> {
+    check_policy(cfg, &s.artifact)?;
+    let (run_id, step_id) = (s.run_id, s.step_id.as_str());
+    let id = DeliveryId::new();
+    let new = NewDelivery {
+        id,
+        run_id,
+        step_id,
+        agent,
+        artifact: &s.artifact,
+        idempotency_key: &policy::idempotency_key(&run_id.uuid(), step_id),
+        actor: &Actor::new("agent", agent),
+    };
+    let job = NewJob::new(SCORE_JOB, json!({"delivery_id": id})).unique_key(format!("score:{id}")).priority(50);
+    if let Some(d) = store::submit(pool, &new, &job).await? {
+        waker.wake(&job.queue);
+        tracing::info!(delivery.id = %d.id, run.id = %run_id, "delivery persisted");
+        return Ok((d, true));
+    }
+    // Nothing was written. Said in the order a submission is judged: whose run it is,
+    // whether the step has its delivery already, whether a step is left to spend.
+    airlock_runs::store::get(pool, run_id, agent).await?.ok_or(PipelineError::NotFound("run"))?;
+    match store::find_by_step(pool, run_id, step_id).await? {
+        Some(existing) if existing.submitted_sha256 == s.artifact.sha256_hex() => Ok((existing, false)),
+        Some(_) => Err(PipelineError::IdempotencyConflict { run_id, step_id: s.step_id }),
+        None => Err(PipelineError::BudgetExhausted),
+    }
+}

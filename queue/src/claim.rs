@@ -1,0 +1,192 @@
+//! Claims: one statement that takes available jobs with `FOR UPDATE SKIP LOCKED`, bumps
+//! each one's attempt (the lease epoch) and, when a worker has finished jobs, completes them
+//! in the same round trip.
+
+use std::time::Duration;
+
+use airlock_core::ids::JobId;
+use chrono::{DateTime, Utc};
+use sqlx::{FromRow, Row};
+
+use crate::job::{Job, QueueError};
+use crate::lease::{COMPLETE_ONE_SQL, COMPLETE_SQL, Lease};
+use crate::pauses::paused_queues;
+
+/// Which queues a claim may take from.
+#[derive(Debug, Clone, Default)]
+pub struct ClaimFilter {
+    /// `None`: every queue.
+    pub queues: Option<Vec<String>>,
+}
+
+/// The claim statement: `$1` owner, `$2` queues (NULL: every queue), `$3` limit, `$4`
+/// lease seconds; `{paused}` is empty or a filter that skips the paused queues; `{from}`
+/// is empty or, for a bounded claim, `(priority, run_at) >= ($5, $6)`, where the index
+/// scan starts (see [`ClaimFrom`]).
+///
+/// Its plan walks the partial index `jobs_claim_idx` in claim order and stops after `$3`
+/// rows, whatever the backlog (a test checks it with `EXPLAIN`, custom and generic):
+/// - the statement is kept prepared, and its generic plan (which cannot see `$3`) still
+///   updates the picked rows through the primary key, from the array of their ids,
+///   instead of joining the whole table;
+/// - the paused queues are written into the statement as constants (they change rarely,
+///   so a connection keeps one statement per set it has seen): as a parameter, a generic
+///   plan cannot estimate `queue <> ALL ($5)`, and with one busy queue it expects no row to
+///   pass and sorts the whole backlog.
+const CLAIM_SQL: &str = r#"
+    UPDATE jobs j
+    SET state = 'running', attempt = j.attempt + 1, lease_owner = $1,
+        lease_expires_at = now() + make_interval(secs => $4), heartbeat_at = now(),
+        attempted_at = now(), effect_started_at = NULL
+    WHERE j.id = ANY (ARRAY(
+        SELECT id FROM jobs
+        WHERE state = 'available' AND run_at <= now()
+          AND ($2::text[] IS NULL OR queue = ANY ($2)) {paused} {from}
+        ORDER BY priority, run_at, id
+        LIMIT $3
+        FOR UPDATE SKIP LOCKED))
+    RETURNING j.*
+"#;
+
+/// Where a bounded claim starts in claim order: the claim skips every job that sorts
+/// before `(priority, run_at)`.
+///
+/// A claim walks `jobs_claim_idx` from its front. The versions of jobs claimed lately stay
+/// in that index until no snapshot can see them; while a long transaction pins the xmin
+/// horizon, none can be removed, and every claim steps over all the jobs claimed since
+/// the pin began (tens of thousands after a few minutes) before it reaches a live one.
+/// A worker that notices its claims slowing down starts them a little behind the last
+/// job it claimed instead (see the worker's claim cursor), and still runs an unbounded
+/// claim regularly for what sorts earlier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimFrom {
+    pub priority: i16,
+    pub run_at: DateTime<Utc>,
+}
+
+/// The claim statement skipping `paused`, bounded (`$5`, `$6`, see [`ClaimFrom`]) or not.
+pub fn claim_sql(paused: &[String], bounded: bool) -> String {
+    let from = if bounded { "AND (priority, run_at) >= ($5, $6)" } else { "" };
+    let sql = CLAIM_SQL.replace("{from}", from);
+    if paused.is_empty() {
+        return sql.replace("{paused}", "");
+    }
+    let list: Vec<String> = paused.iter().map(|q| sql_literal(q)).collect();
+    sql.replace("{paused}", &format!("AND queue <> ALL (ARRAY[{}]::text[])", list.join(", ")))
+}
+
+/// A string constant that means `s` whatever `standard_conforming_strings` says.
+fn sql_literal(s: &str) -> String {
+    format!("E'{}'", s.replace('\\', "\\\\").replace('\'', "''"))
+}
+
+/// Claims up to `limit` available jobs for `owner`, bumping each one's attempt, in one
+/// statement; paused queues are skipped. Jobs come back in claim order.
+pub async fn claim_batch(
+    db: &sqlx::PgPool,
+    owner: &str,
+    filter: &ClaimFilter,
+    limit: i64,
+    lease: Duration,
+) -> Result<Vec<Job>, QueueError> {
+    let paused = paused_queues(db).await?;
+    let claim = Claim { owner, filter, limit, lease, paused: &paused, from: None };
+    Ok(complete_and_claim(db, &claim, &[]).await?.0)
+}
+
+/// One claim, as a worker makes it.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    pub owner: &'a str,
+    pub filter: &'a ClaimFilter,
+    /// The most jobs to claim.
+    pub limit: i64,
+    pub lease: Duration,
+    /// The queues paused now (a worker keeps them between claims, see
+    /// [`PAUSE_NOTIFY_PREFIX`]).
+    pub paused: &'a [String],
+    /// Where the claim starts; `None`: from the front.
+    pub from: Option<ClaimFrom>,
+}
+
+/// Completes the held jobs `completing` and makes `claim`, in one statement (one commit
+/// for both, as a worker does when a finished job frees the slot it claims for). Returns
+/// the jobs claimed, in claim order, and the leases completed (the others were lost and
+/// are left untouched).
+#[tracing::instrument(skip_all, fields(worker.id = claim.owner, limit = claim.limit, completing = completing.len()))]
+pub async fn complete_and_claim(
+    db: &sqlx::PgPool,
+    claim: &Claim<'_>,
+    completing: &[Lease],
+) -> Result<(Vec<Job>, Vec<Lease>), QueueError> {
+    // A claim from named queues leaves the paused ones out of its list.
+    let queues = unpaused(claim.filter, claim.paused);
+    let nothing_to_claim = queues.as_ref().is_some_and(Vec::is_empty);
+    if nothing_to_claim && completing.is_empty() {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    let limit = if nothing_to_claim { 0 } else { claim.limit };
+    let paused = if queues.is_none() { claim.paused } else { &[] };
+    let bounded = claim.from.is_some();
+    let sql = if completing.is_empty() {
+        claim_sql(paused, bounded)
+    } else {
+        complete_and_claim_sql(paused, bounded, completing.len() == 1)
+    };
+    let mut q = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(claim.owner)
+        .bind(queues)
+        .bind(limit)
+        .bind(claim.lease.as_secs_f64());
+    if let Some(from) = claim.from {
+        q = q.bind(from.priority).bind(from.run_at);
+    }
+    if !completing.is_empty() {
+        q = q
+            .bind(completing.iter().map(|l| l.id).collect::<Vec<_>>())
+            .bind(completing.iter().map(|l| l.attempt).collect::<Vec<_>>());
+    }
+    let rows = q.fetch_all(db).await?;
+    let mut done = Vec::new();
+    if let Some(row) = rows.first().filter(|_| !completing.is_empty()) {
+        let ids: Option<Vec<JobId>> = row.try_get("done_ids")?;
+        let attempts: Option<Vec<i32>> = row.try_get("done_attempts")?;
+        done = ids
+            .unwrap_or_default()
+            .into_iter()
+            .zip(attempts.unwrap_or_default())
+            .map(|(id, attempt)| Lease { id, attempt })
+            .collect();
+    }
+    let mut jobs = Vec::with_capacity(rows.len());
+    for row in &rows {
+        // With completions, a row whose job columns are NULL says that nothing was claimed.
+        if row.try_get::<Option<JobId>, _>("id")?.is_some() {
+            jobs.push(Job::from_row(row)?);
+        }
+    }
+    jobs.sort_by_key(|j| (j.priority, j.run_at, j.id));
+    Ok((jobs, done))
+}
+
+/// The statement of [`complete_and_claim`]: the claim statement's parameters, then the
+/// ids and attempts of the jobs to complete (`one`: a single job, which needs no lock
+/// order). It returns one row per job claimed (at least one row: the job's columns are
+/// NULL when none was) with the completed ids and attempts.
+pub fn complete_and_claim_sql(paused: &[String], bounded: bool, one: bool) -> String {
+    let (ids, attempts) = if bounded { ("$7", "$8") } else { ("$5", "$6") };
+    format!(
+        "WITH done AS ({}), claimed AS ({}) \
+         SELECT d.done_ids, d.done_attempts, c.* \
+         FROM (SELECT array_agg(id) AS done_ids, array_agg(attempt) AS done_attempts FROM done) d \
+         LEFT JOIN claimed c ON true",
+        if one { COMPLETE_ONE_SQL } else { COMPLETE_SQL }.replace("{ids}", ids).replace("{attempts}", attempts),
+        claim_sql(paused, bounded)
+    )
+}
+
+/// The queues a claim from named queues may take from, paused ones left out; `None`:
+/// every queue.
+fn unpaused<'a>(filter: &'a ClaimFilter, paused: &[String]) -> Option<Vec<&'a str>> {
+    filter.queues.as_ref().map(|qs| qs.iter().map(String::as_str).filter(|q| !paused.iter().any(|p| p == q)).collect())
+}

@@ -1,0 +1,105 @@
+//! Enqueueing, in the caller's transaction, so a job commits with the row it serves.
+
+use airlock_core::ids::JobId;
+use chrono::{DateTime, Utc};
+use sqlx::{Postgres, Transaction};
+
+use crate::job::{EffectClass, Enqueued, NewJob, QueueError};
+use crate::waker::NOTIFY_CHANNEL;
+
+/// Enqueues one job in the caller's transaction. With a `unique_key` that a live job
+/// already holds, nothing is inserted and the existing job is returned.
+#[tracing::instrument(skip_all, fields(job.kind = %job.kind))]
+pub async fn enqueue(tx: &mut Transaction<'_, Postgres>, job: &NewJob) -> Result<Enqueued, QueueError> {
+    let mut out = enqueue_many(tx, std::slice::from_ref(job)).await?;
+    Ok(out.remove(0))
+}
+
+/// Enqueues many jobs with one statement (the INSERT and one NOTIFY per queue), in the
+/// caller's transaction. Results are in input order.
+#[tracing::instrument(skip_all, fields(jobs = jobs.len()))]
+pub async fn enqueue_many(tx: &mut Transaction<'_, Postgres>, jobs: &[NewJob]) -> Result<Vec<Enqueued>, QueueError> {
+    insert_jobs(tx, jobs, true).await
+}
+
+/// [`enqueue_many`] without its NOTIFY: once the transaction has committed, the caller
+/// hands the jobs' queues to a [`Waker`], which wakes idle workers for many such
+/// transactions at once. For the hot paths, where a NOTIFY in every transaction would
+/// serialise their commits (see [`Waker`]).
+#[tracing::instrument(skip_all, fields(jobs = jobs.len()))]
+pub async fn enqueue_many_quiet(
+    tx: &mut Transaction<'_, Postgres>,
+    jobs: &[NewJob],
+) -> Result<Vec<Enqueued>, QueueError> {
+    insert_jobs(tx, jobs, false).await
+}
+
+async fn insert_jobs(
+    tx: &mut Transaction<'_, Postgres>,
+    jobs: &[NewJob],
+    notify: bool,
+) -> Result<Vec<Enqueued>, QueueError> {
+    if jobs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<JobId> = jobs.iter().map(|_| JobId::new()).collect();
+    let kinds: Vec<&str> = jobs.iter().map(|j| j.kind.as_str()).collect();
+    let queues: Vec<&str> = jobs.iter().map(|j| j.queue.as_str()).collect();
+    let payloads: Vec<serde_json::Value> = jobs.iter().map(|j| j.payload.clone()).collect();
+    let priorities: Vec<i16> = jobs.iter().map(|j| j.priority).collect();
+    let run_ats: Vec<Option<DateTime<Utc>>> = jobs.iter().map(|j| j.run_at).collect();
+    let max_attempts: Vec<i32> = jobs.iter().map(|j| j.max_attempts).collect();
+    let classes: Vec<EffectClass> = jobs.iter().map(|j| j.effect_class).collect();
+    let keys: Vec<Option<&str>> = jobs.iter().map(|j| j.unique_key.as_deref()).collect();
+
+    // Rows whose unique key is live already are skipped by ON CONFLICT; the existing job
+    // is looked up afterwards in the same transaction. The same statement sends one NOTIFY
+    // per queue that got a row, unless told not to (`woke` is one row, so joining it keeps
+    // every inserted id).
+    let inserted: Vec<JobId> = sqlx::query_scalar(
+        r#"
+        WITH inserted AS (
+            INSERT INTO jobs (id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key)
+            SELECT id, kind, queue, payload, priority, coalesce(run_at, now()), max_attempts, effect_class, unique_key
+            FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[], $5::smallint[],
+                        $6::timestamptz[], $7::int[], $8::effect_class[], $9::text[])
+                 AS t(id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key)
+            ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state IN ('available', 'running', 'parked')
+            DO NOTHING
+            RETURNING id, queue),
+        woke AS (SELECT count(pg_notify($10, queue)) FROM (SELECT DISTINCT queue FROM inserted) q WHERE $11)
+        SELECT inserted.id FROM inserted CROSS JOIN woke
+        "#,
+    )
+    .bind(&ids)
+    .bind(&kinds)
+    .bind(&queues)
+    .bind(&payloads)
+    .bind(&priorities)
+    .bind(&run_ats)
+    .bind(&max_attempts)
+    .bind(&classes)
+    .bind(&keys)
+    .bind(NOTIFY_CHANNEL)
+    .bind(notify)
+    .fetch_all(&mut **tx)
+    .await?;
+
+    let mut out = Vec::with_capacity(jobs.len());
+    let inserted: std::collections::HashSet<JobId> = inserted.into_iter().collect();
+    for (id, job) in ids.iter().zip(jobs) {
+        if inserted.contains(id) {
+            out.push(Enqueued { id: *id, inserted: true });
+        } else {
+            let key = job.unique_key.as_deref().unwrap_or_default();
+            let existing: JobId = sqlx::query_scalar(
+                r#"SELECT id FROM jobs WHERE unique_key = $1 AND state IN ('available', 'running', 'parked')"#,
+            )
+            .bind(key)
+            .fetch_one(&mut **tx)
+            .await?;
+            out.push(Enqueued { id: existing, inserted: false });
+        }
+    }
+    Ok(out)
+}

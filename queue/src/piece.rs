@@ -1,0 +1,100 @@
+//! Typed parts of other crates' statements: where a transition of theirs must fence on, or
+//! finish, a held job in the same round trip (one statement, one commit), it includes one
+//! of these instead of writing SQL for `jobs`.
+//!
+//! Each function pushes one common table expression onto the caller's
+//! [`sqlx::QueryBuilder`], binding its own values, so no parameter numbers have to agree
+//! across crates; the caller joins the CTE by the name it gave and the columns documented
+//! here. A piece over one lease uses the plain fenced form; over several it locks the jobs
+//! in id order first, as every statement over many held jobs does (see
+//! `held_in_id_order!`), so two of them cannot deadlock.
+
+use sqlx::{Postgres, QueryBuilder};
+
+use crate::job::NewJob;
+use crate::lease::Lease;
+
+/// The builder every piece pushes onto.
+pub type Builder = QueryBuilder<Postgres>;
+
+/// Pushes `cte AS (…)`: marks the effect of each job held under `leases` as started, if its
+/// lease has not run out. Yields `(id, attempt)` for each job that was held; the others are
+/// left untouched (their holders lost them). Join on both: a lease that was lost may name a
+/// held job at another epoch. Nothing else of a held job may change its effect
+/// mark.
+pub fn mark_effect_started(qb: &mut Builder, cte: &str, leases: &[Lease]) {
+    qb.push(cte).push(" AS (UPDATE jobs j SET effect_started_at = now()");
+    push_held_where(qb, leases);
+    qb.push(" AND j.lease_expires_at > now() RETURNING j.id, j.attempt)");
+}
+
+/// Pushes `cte AS (…)`: completes each job held under `leases`. Yields `(id, attempt)` for
+/// each job completed; the others (lost leases) are left untouched. Join on both.
+pub fn complete(qb: &mut Builder, cte: &str, leases: &[Lease]) {
+    qb.push(cte).push(concat!(" AS (UPDATE jobs j SET ", completed!()));
+    push_held_where(qb, leases);
+    qb.push(" RETURNING j.id, j.attempt)");
+}
+
+/// Pushes `cte AS (…)`: inserts `jobs`, without a NOTIFY (wake the workers with a
+/// [`crate::Waker`] after the commit), only if the CTE `guard` yields a row. A job whose
+/// unique key a live job holds already is skipped. Yields `(id)` of each job inserted.
+pub fn enqueue_if(qb: &mut Builder, cte: &str, jobs: &[NewJob], guard: &str) {
+    let ids: Vec<_> = jobs.iter().map(|_| airlock_core::ids::JobId::new()).collect();
+    qb.push(cte).push(
+        " AS (INSERT INTO jobs (id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key) \
+         SELECT t.id, t.kind, t.queue, t.payload, t.priority, coalesce(t.run_at, now()), t.max_attempts, \
+                t.effect_class, t.unique_key \
+         FROM unnest(",
+    );
+    qb.push_bind(ids).push("::uuid[], ");
+    qb.push_bind(jobs.iter().map(|j| j.kind.clone()).collect::<Vec<_>>()).push("::text[], ");
+    qb.push_bind(jobs.iter().map(|j| j.queue.clone()).collect::<Vec<_>>()).push("::text[], ");
+    qb.push_bind(jobs.iter().map(|j| j.payload.clone()).collect::<Vec<_>>()).push("::jsonb[], ");
+    qb.push_bind(jobs.iter().map(|j| j.priority).collect::<Vec<_>>()).push("::smallint[], ");
+    qb.push_bind(jobs.iter().map(|j| j.run_at).collect::<Vec<_>>()).push("::timestamptz[], ");
+    qb.push_bind(jobs.iter().map(|j| j.max_attempts).collect::<Vec<_>>()).push("::int[], ");
+    qb.push_bind(jobs.iter().map(|j| j.effect_class).collect::<Vec<_>>()).push("::effect_class[], ");
+    qb.push_bind(jobs.iter().map(|j| j.unique_key.clone()).collect::<Vec<_>>()).push("::text[]) ");
+    qb.push(
+        "AS t(id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key) \
+         WHERE EXISTS (SELECT 1 FROM ",
+    );
+    qb.push(guard).push(
+        ") ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state IN ('available', 'running', 'parked') \
+         DO NOTHING RETURNING id)",
+    );
+}
+
+/// Pushes a condition that holds while `lease` is held (the job `running` at that epoch):
+/// for a statement of another table that must change nothing once its job's holder lost it.
+pub fn push_is_held(qb: &mut Builder, lease: Lease) {
+    qb.push("EXISTS (SELECT 1 FROM jobs WHERE jobs.id = ");
+    qb.push_bind(lease.id);
+    qb.push(" AND jobs.attempt = ");
+    qb.push_bind(lease.attempt);
+    qb.push(" AND jobs.state = 'running')");
+}
+
+/// ` FROM held WHERE …` (or ` WHERE …` for one lease): restricts an `UPDATE jobs j` to the
+/// jobs held under `leases`, still `running` at their epochs. One lease needs no lock order
+/// and keeps the plain fenced form; several are locked in id order first.
+fn push_held_where(qb: &mut Builder, leases: &[Lease]) {
+    if let [one] = leases {
+        qb.push(" WHERE j.id = ");
+        qb.push_bind(one.id);
+        qb.push(" AND j.attempt = ");
+        qb.push_bind(one.attempt);
+        qb.push(" AND j.state = 'running'");
+        return;
+    }
+    qb.push(" FROM (SELECT h.id FROM jobs h JOIN unnest(");
+    qb.push_bind(leases.iter().map(|l| l.id).collect::<Vec<_>>());
+    qb.push("::uuid[], ");
+    qb.push_bind(leases.iter().map(|l| l.attempt).collect::<Vec<_>>());
+    qb.push(
+        "::int[]) AS t(id, attempt) ON h.id = t.id AND h.attempt = t.attempt \
+         WHERE h.state = 'running' ORDER BY h.id FOR UPDATE OF h) AS held \
+         WHERE j.id = held.id AND j.state = 'running'",
+    );
+}

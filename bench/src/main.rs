@@ -13,6 +13,8 @@ use serde_json::{Value, json};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
+mod sandbox;
+
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Benchmarks airlock against the raw ceiling of the same Postgres")]
 struct Args {
@@ -46,7 +48,11 @@ struct Args {
     /// pgbench binary.
     #[arg(long, default_value = "pgbench")]
     pgbench: String,
-    /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline), for
+    /// No-op sandboxed runs of each kind (unisolated, bubblewrap) in the sandbox part.
+    #[arg(long, default_value_t = 300)]
+    sandbox_runs: usize,
+    /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline,
+    /// sandbox), for
     /// profiling; a partial run (of parts, modes or worker counts) prints its table but
     /// writes no result file.
     #[arg(long, value_delimiter = ',')]
@@ -733,6 +739,23 @@ async fn main() -> anyhow::Result<()> {
         put(&mut results, "pipeline_p99_ms", median(p99s));
         put(&mut results, "pipeline_worker_peak_rss_mib", rss);
         rss_seen = rss_seen.max(rss);
+    }
+    if args.wants("sandbox") {
+        eprintln!("sandboxed no-op task, start to end, {} runs of each kind", args.sandbox_runs);
+        let dir = std::env::temp_dir().join(format!("airlock-bench-sandbox-{}", uuid::Uuid::new_v4()));
+        let (plain, boxed) = sandbox::measure(args.sandbox_runs.max(1), &dir).await?;
+        eprintln!(
+            "  unisolated p50 {:.1} ms, p99 {:.1} ms; bubblewrap p50 {:.1} ms, p99 {:.1} ms",
+            plain.p(0.5),
+            plain.p(0.99),
+            boxed.p(0.5),
+            boxed.p(0.99)
+        );
+        put(&mut results, "sandbox_noop_unisolated_p50_ms", plain.p(0.5));
+        put(&mut results, "sandbox_noop_unisolated_p99_ms", plain.p(0.99));
+        put(&mut results, "sandbox_noop_bubblewrap_p50_ms", boxed.p(0.5));
+        put(&mut results, "sandbox_noop_bubblewrap_p99_ms", boxed.p(0.99));
+        put(&mut results, "sandbox_isolation_added_p99_ms", boxed.p(0.99) - plain.p(0.99));
     }
     put(&mut results, "worker_peak_rss_mib", rss_seen);
 

@@ -4,7 +4,16 @@
 //! files, the tier's limits) and returns a [`RunOutcome`]. It holds no database handle:
 //! the `sandbox.run` job reads what it needs before and writes the outcome after, so a
 //! provider never runs inside a transaction. The built-in provider is
-//! [`super::local::LocalProvider`]; others (a VM pool, a container service) plug in here.
+//! [`super::local::LocalProvider`]; others (a VM pool, a container service, a cluster
+//! scheduler running a Kubernetes `Job` per task) plug in here.
+//!
+//! What every provider must guarantee (`docs/sandboxes.md`, "Other providers"): the
+//! command runs as an identity that is neither root nor the worker's nor another run's;
+//! it gets no environment, file, credential or network of the worker's (no network at all
+//! for a tier without one, never the database, relay, node protocol or APIs for a tier
+//! with one, and [`ProviderError::Refused`] when that cannot be ensured); the tier's
+//! limits hold and every stop is reported in `killed_for`; and once `run` returns, `cancel`
+//! fires or the future is dropped, nothing the command started is still running.
 
 use std::collections::BTreeMap;
 use std::future::Future;

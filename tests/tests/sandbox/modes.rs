@@ -418,6 +418,11 @@ async fn bad_input_leaves_no_rows_and_scopes_decide_context_and_secrets(pool: Pg
         json!({"command": ["true"], "env": {"API_TOKEN": "literal"}}),
         json!({"command": ["true"], "env": {"AIRLOCK_TIER": "x"}}),
         json!({"command": ["true"], "secrets": ["not a name"]}),
+        // Nothing that steers how programs load or are found, as a literal or a secret.
+        json!({"command": ["true"], "env": {"LD_PRELOAD": "/task/evil.so"}}),
+        json!({"command": ["true"], "env": {"PATH": "/task/bin"}}),
+        json!({"command": ["true"], "env": {"BASH_ENV": "/task/rc"}}),
+        json!({"command": ["true"], "secrets": ["LD_LIBRARY_PATH"]}),
         json!({"command": ["true"], "size": "huge"}),
         json!({"command": ["true"], "surprise": 1}),
         json!({"command": "true"}),

@@ -438,7 +438,9 @@ impl Bubblewrap {
         let mut add = |args: &[&str]| o.extend(args.iter().map(|s| s.to_string()));
         add(&["--unshare-all"]);
         if spec.tier.network {
-            add(&["--share-net"]);
+            // bwrap runs as root of the network's own user namespace here: it drops every
+            // capability from the command's bounding set too.
+            add(&["--share-net", "--cap-drop", "ALL"]);
         }
         let id = uid.to_string();
         add(&["--unshare-user", "--disable-userns", "--uid", &id, "--gid", &id, "--hostname", "sandbox"]);

@@ -888,6 +888,20 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_isolated_command_holds_no_capability_and_cannot_make_namespaces() {
+        let (p, _work) = providers().pop().unwrap();
+        let script = "grep -E '^(CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs):' /proc/self/status | tr -s '\\t' ' '; \
+                      unshare -U true 2>/dev/null || echo no-userns; unshare -n true 2>/dev/null || echo no-netns";
+        let o = p.run(spec(&["sh", "-c", script], 64, 5), CancellationToken::new()).await.unwrap();
+        assert_eq!(
+            o.stdout,
+            "CapPrm: 0000000000000000\nCapEff: 0000000000000000\nCapBnd: 0000000000000000\n\
+             CapAmb: 0000000000000000\nNoNewPrivs: 1\nno-userns\nno-netns\n",
+            "{o:?}"
+        );
+    }
+
+    #[tokio::test]
     async fn a_loader_variable_is_refused_before_anything_runs() {
         let (p, _work) = providers().pop().unwrap();
         let mut s = spec(&["true"], 64, 5);

@@ -509,7 +509,9 @@ async fn a_tier_with_a_network_reaches_out_but_never_the_workers_services(pool: 
     let script = r#"for t in "$@"; do
   if timeout 3 bash -c 'exec 3<>"/dev/tcp/${0%:*}/${0##*:}"' "$t" 2>/dev/null; then echo "open $t"; else echo "closed $t"; fi
 done
-grep nameserver /etc/resolv.conf"#;
+grep nameserver /etc/resolv.conf
+grep -E '^(CapEff|CapBnd):' /proc/self/status | tr -s '\t' ' '
+unshare -U true 2>/dev/null || echo no-userns"#;
     let mut command = vec![json!("bash"), json!("-c"), json!(script), json!("probe")];
     command.extend(targets.iter().map(|t| json!(t)));
     let id = task(&app, "net", Value::Array(command)).await;
@@ -520,6 +522,7 @@ grep nameserver /etc/resolv.conf"#;
         assert!(out.lines().any(|l| l == format!("closed {t}")), "reached {t}:\n{out}");
     }
     assert!(out.contains("nameserver 10.0.2.3"), "{out}");
+    assert!(out.ends_with("CapEff: 0000000000000000\nCapBnd: 0000000000000000\nno-userns\n"), "{out}");
     assert_eq!(v["outcome"]["limits"][3], "network_slirp4netns", "{}", v["outcome"]);
     stop.cancel();
     worker.await.unwrap().unwrap();

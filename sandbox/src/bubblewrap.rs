@@ -504,11 +504,10 @@ impl Bubblewrap {
         }
         let claim = self.uids.claim(cancel).await.ok_or(ProviderError::Cancelled)?;
         let uid = claim.uid;
-        let stale = procs::of_uid(uid);
-        if !stale.is_empty() {
-            tracing::error!(uid, pids = ?stale, "processes of a sandbox uid outlived their run; killing them");
-            procs::kill_all(&stale);
-        }
+        // A uid's processes are gone before its claim is released, except after a run
+        // whose future was dropped (its namespace is then still going down) or a worker
+        // killed mid-run on this host: wait for them, and kill what does not go.
+        clear_uid(uid).await;
         let dir = RunDir::create(root, spec, Some(uid)).map_err(|e| ProviderError::Setup(e.to_string()))?;
         let limits = self.limits(&spec.tier);
         let prepared = self.prepare(spec, &dir, uid)?;
@@ -531,6 +530,7 @@ impl Bubblewrap {
         if run.inner.is_none() {
             // bwrap did not get as far as making the sandbox: its message says why.
             run.stop().await;
+            run.finish(uid).await;
             let (stderr, _) = local::collect(err).await;
             return Err(ProviderError::Setup(format!("bubblewrap did not start the sandbox: {}", stderr.trim())));
         }
@@ -539,6 +539,7 @@ impl Bubblewrap {
                 Ok(slirp) => run.slirp = Some(slirp),
                 Err(e) => {
                     run.stop().await;
+                    run.finish(uid).await;
                     return Err(ProviderError::Setup(e));
                 }
             }
@@ -552,6 +553,7 @@ impl Bubblewrap {
             Ok(s) => s,
             Err(e) => {
                 run.stop().await;
+                run.finish(uid).await;
                 return Err(e);
             }
         };
@@ -782,31 +784,35 @@ impl Running {
 
     /// After bwrap outside ended: the sandbox's PID 1 is killed (when the command exits,
     /// bwrap outside exits at once and PID 1 follows it an instant later), the network's
-    /// process goes, and the run ends once no process of its uid is left. One still there
-    /// after the namespace had time to go would be a process that left the sandbox: it is
-    /// logged and killed.
+    /// process goes, and the run ends once no process of its uid is left.
     async fn finish(&mut self, uid: u32) {
         SandboxTree { outer: self.outer, inner: self.inner }.kill(&[]);
         self.stop_network().await;
-        let started = Instant::now();
-        let mut warned = false;
-        loop {
-            let left = procs::of_uid(uid);
-            if left.is_empty() {
+        clear_uid(uid).await;
+    }
+}
+
+/// Waits until `uid` has no live process. Processes of a sandbox's PID namespace go within
+/// moments of its PID 1; one still there after two seconds is logged and killed.
+async fn clear_uid(uid: u32) {
+    let started = Instant::now();
+    let mut warned = false;
+    loop {
+        let left = procs::of_uid(uid);
+        if left.is_empty() {
+            return;
+        }
+        if started.elapsed() > Duration::from_secs(2) {
+            if !warned {
+                tracing::error!(uid, pids = ?left, "processes of a sandbox uid outlived their run; killing them");
+                warned = true;
+            }
+            procs::kill_all(&left);
+            if started.elapsed() > Duration::from_secs(5) {
                 return;
             }
-            if started.elapsed() > Duration::from_secs(2) {
-                if !warned {
-                    tracing::error!(uid, pids = ?left, "processes of a finished run survived its sandbox; killing them");
-                    warned = true;
-                }
-                procs::kill_all(&left);
-                if started.elapsed() > Duration::from_secs(5) {
-                    return;
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 

@@ -213,19 +213,6 @@ pub struct MigrationBody {
     reason: Option<String>,
 }
 
-fn migration_error(e: relocation::RelocationError) -> ApiError {
-    use relocation::RelocationError as M;
-    match e {
-        M::Agent(agents::AgentError::NotFound(_)) => ApiError::not_found("agent"),
-        M::Agent(agents::AgentError::InvalidTransition(m)) => ApiError::invalid_transition(m),
-        M::Queue(airlock_queue::QueueError::InvalidTransition { .. }) => {
-            ApiError::invalid_transition("a migration of this agent is already under way")
-        }
-        M::Db(e) | M::Agent(agents::AgentError::Db(e)) => ApiError::internal(e),
-        other => ApiError::internal(other),
-    }
-}
-
 /// Enqueues a `capsule.migrate` job that moves the agent to `target_node`.
 #[utoipa::path(post, path = "/admin/v1/agents/{id}/migrations", params(("id" = String, Path, description = "agent id")),
     request_body = MigrationBody,
@@ -244,8 +231,7 @@ pub async fn create_migration(
         return Err(ApiError::validation(format!("target_node: `{target}` is not a configured node (nodes.<id>.url)")));
     }
     let mut tx = state.pool.begin().await?;
-    let m =
-        relocation::create(&mut tx, &agent, &target, &who.name, MIGRATE_MAX_ATTEMPTS).await.map_err(migration_error)?;
+    let m = relocation::create(&mut tx, &agent, &target, &who.name, MIGRATE_MAX_ATTEMPTS).await?;
     airlock_core::audit::record(
         &mut tx,
         who,

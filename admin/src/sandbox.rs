@@ -21,7 +21,8 @@ use serde_json::Value;
 use sqlx::PgPool;
 use utoipa::{IntoParams, ToSchema};
 
-use crate::server::{AppState, decode_cursor, decode_time_cursor, encode_cursor, next_time_cursor, page_limit};
+use crate::server::AppState;
+use airlock_http::{decode_cursor, decode_time_cursor, encode_cursor, next_time_cursor, page_limit};
 
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -11,11 +11,13 @@ use airlock_delivery::pipeline::{self, Resolution};
 use airlock_delivery::state::DeliveryState;
 use airlock_delivery::store::{self, Actor};
 use airlock_delivery::view;
-use airlock_http::{Access, ApiError, Auth, BearerAuth, JsonBody, Page, RouteRule, parse_id};
+use airlock_http::{
+    Access, ApiError, Auth, BearerAuth, JsonBody, Page, RouteRule, decode_cursor, decode_time_cursor, encode_cursor,
+    next_time_cursor, page_limit, parse_id,
+};
 use airlock_queue::JobState;
 use axum::extract::{FromRef, Path, Query, State};
 use axum::{Json, Router};
-use base64::Engine;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -55,6 +57,10 @@ pub const ROUTES: &[RouteRule] = &[
     RouteRule { method: "POST", path: "/admin/v1/tasks/{id}/choose", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/sandbox/decisions", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/sandbox/report", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/runs", access: REVIEWER },
+    RouteRule { method: "GET", path: "/admin/v1/runs/{id}", access: REVIEWER },
+    RouteRule { method: "POST", path: "/admin/v1/runs/{id}/cancel", access: OPERATOR },
+    RouteRule { method: "POST", path: "/admin/v1/runs/{id}/effects/{step_id}/resolve", access: REVIEWER },
     RouteRule { method: "GET", path: "/admin/v1/agents/{id}", access: OPERATOR },
     RouteRule { method: "POST", path: "/admin/v1/agents/{id}/migrations", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/migrations/{id}", access: OPERATOR },
@@ -101,6 +107,10 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(crate::sandbox::choose))
         .routes(routes!(crate::sandbox::list_decisions))
         .routes(routes!(crate::sandbox::get_report))
+        .routes(routes!(crate::runs::list_runs))
+        .routes(routes!(crate::runs::get_run))
+        .routes(routes!(crate::runs::cancel_run))
+        .routes(routes!(crate::runs::resolve_effect))
         .merge(crate::capsule::routes())
         .routes(routes!(crate::page::index))
         .routes(routes!(crate::page::script))
@@ -132,48 +142,6 @@ struct ListQuery {
     state: Option<String>,
     limit: Option<i64>,
     cursor: Option<String>,
-}
-
-pub(crate) fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
-    airlock_http::PageQuery { limit, cursor: None }.limit()
-}
-
-pub(crate) fn encode_cursor(s: &str) -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s)
-}
-
-/// Reads a `(created_at, id)` cursor of a list ordered oldest first.
-pub(crate) fn decode_time_cursor<Id: std::str::FromStr>(
-    cursor: Option<&str>,
-) -> Result<Option<(chrono::DateTime<chrono::Utc>, Id)>, ApiError> {
-    let Some(c) = cursor else { return Ok(None) };
-    let raw = decode_cursor(c)?;
-    let (at, id) = raw.split_once('|').ok_or_else(|| ApiError::validation("cursor: malformed"))?;
-    let at = chrono::DateTime::parse_from_rfc3339(at)
-        .map_err(|_| ApiError::validation("cursor: malformed"))?
-        .with_timezone(&chrono::Utc);
-    Ok(Some((at, parse_id(id)?)))
-}
-
-/// The cursor after the last row of a full page; `None` on the last page.
-pub(crate) fn next_time_cursor<Id: std::fmt::Display>(
-    more: bool,
-    last: Option<(chrono::DateTime<chrono::Utc>, Id)>,
-) -> Option<String> {
-    match (more, last) {
-        (true, Some((at, id))) => {
-            Some(encode_cursor(&format!("{}|{}", at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true), id)))
-        }
-        _ => None,
-    }
-}
-
-pub(crate) fn decode_cursor(c: &str) -> Result<String, ApiError> {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(c)
-        .ok()
-        .and_then(|b| String::from_utf8(b).ok())
-        .ok_or_else(|| ApiError::validation("cursor: not a cursor this service issued"))
 }
 
 #[utoipa::path(get, path = "/admin/v1/deliveries", params(ListQuery), responses((status = 200, description = "deliveries, oldest first")))]

@@ -13,7 +13,6 @@ use airlock_delivery::store::{self, Actor};
 use airlock_delivery::view;
 use airlock_http::{Access, ApiError, Auth, BearerAuth, JsonBody, RouteRule, parse_id};
 use airlock_queue::Waker;
-use airlock_runs::Run;
 use axum::extract::{FromRef, Path, State};
 use axum::http::StatusCode;
 use axum::{Json, Router};
@@ -25,6 +24,7 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+pub mod runs;
 pub mod tasks;
 
 /// What every agent-API handler can reach.
@@ -49,6 +49,14 @@ impl AppState {
 pub const ROUTES: &[RouteRule] = &[
     RouteRule { method: "POST", path: "/v1/runs", access: Access::Agent },
     RouteRule { method: "GET", path: "/v1/runs/{id}", access: Access::Agent },
+    RouteRule { method: "POST", path: "/v1/runs/{id}/claim", access: Access::Agent },
+    RouteRule { method: "POST", path: "/v1/runs/{id}/steps", access: Access::Agent },
+    RouteRule { method: "GET", path: "/v1/runs/{id}/steps", access: Access::Agent },
+    RouteRule { method: "POST", path: "/v1/runs/{id}/effects", access: Access::Agent },
+    RouteRule { method: "POST", path: "/v1/runs/{id}/effects/{step_id}/outcome", access: Access::Agent },
+    RouteRule { method: "POST", path: "/v1/runs/{id}/complete", access: Access::Agent },
+    RouteRule { method: "POST", path: "/v1/runs/{id}/fail", access: Access::Agent },
+    RouteRule { method: "POST", path: "/v1/runs/{id}/cancel", access: Access::Agent },
     RouteRule { method: "POST", path: "/v1/deliveries", access: Access::Agent },
     RouteRule { method: "GET", path: "/v1/deliveries/{id}", access: Access::Agent },
     RouteRule { method: "POST", path: "/v1/deliveries/{id}/cancel", access: Access::Agent },
@@ -71,8 +79,15 @@ struct ApiDoc;
 /// The routes with their OpenAPI description.
 pub fn documented_routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
-        .routes(routes!(create_run))
-        .routes(routes!(get_run))
+        .routes(routes!(runs::create_run))
+        .routes(routes!(runs::get_run))
+        .routes(routes!(runs::claim_run))
+        .routes(routes!(runs::record_step, runs::list_steps))
+        .routes(routes!(runs::begin_effect))
+        .routes(routes!(runs::record_outcome))
+        .routes(routes!(runs::complete_run))
+        .routes(routes!(runs::fail_run))
+        .routes(routes!(runs::cancel_run))
         .routes(routes!(submit_delivery))
         .routes(routes!(get_delivery))
         .routes(routes!(cancel_delivery))
@@ -98,76 +113,6 @@ pub fn router(state: AppState) -> Router {
         airlock_delivery::metrics::gauges,
     );
     router.with_state(state)
-}
-
-#[derive(Debug, Deserialize, Default, ToSchema)]
-#[serde(deny_unknown_fields)]
-struct Budget {
-    #[serde(default)]
-    max_steps: i64,
-    #[serde(default)]
-    max_tokens: i64,
-    #[serde(default)]
-    max_cost_micros: i64,
-}
-
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-struct CreateRun {
-    #[serde(default)]
-    budget: Budget,
-    #[serde(default)]
-    inputs: Option<Value>,
-}
-
-fn run_json(r: &Run) -> Value {
-    json!({
-        "id": r.id,
-        "agent": r.agent,
-        "state": r.state,
-        "inputs": r.inputs,
-        "budget": {
-            "limit": {"max_steps": r.max_steps, "max_tokens": r.max_tokens, "max_cost_micros": r.max_cost_micros},
-            "used": {"steps": r.used_steps, "tokens": r.used_tokens, "cost_micros": r.used_cost_micros},
-        },
-        "created_at": r.created_at,
-    })
-}
-
-/// Starts a run with a budget.
-#[utoipa::path(post, path = "/v1/runs", request_body = CreateRun,
-    responses((status = 201, description = "the run"), (status = 400, description = "invalid"), (status = 401), (status = 403)))]
-async fn create_run(
-    State(pool): State<PgPool>,
-    auth: Auth,
-    JsonBody(req): JsonBody<CreateRun>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let agent = auth.agent()?;
-    let b = &req.budget;
-    if b.max_steps < 0 || b.max_tokens < 0 || b.max_cost_micros < 0 {
-        return Err(ApiError::validation("budget: limits must be 0 (unlimited) or positive"));
-    }
-    let inputs = req.inputs.unwrap_or_else(|| json!({}));
-    if !inputs.is_object() {
-        return Err(ApiError::validation("inputs: must be a JSON object"));
-    }
-    let limits = airlock_runs::store::Limits {
-        max_steps: b.max_steps,
-        max_tokens: b.max_tokens,
-        max_cost_micros: b.max_cost_micros,
-    };
-    let run = airlock_runs::store::insert(&pool, agent, &inputs, limits).await?;
-    Ok((StatusCode::CREATED, Json(run_json(&run))))
-}
-
-/// A run of the calling agent, with its budget used.
-#[utoipa::path(get, path = "/v1/runs/{id}", params(("id" = String, Path, description = "run id")),
-    responses((status = 200, description = "the run"), (status = 404, description = "no such run of this agent")))]
-async fn get_run(State(pool): State<PgPool>, auth: Auth, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let agent = auth.agent()?;
-    let run =
-        airlock_runs::store::get(&pool, parse_id(&id)?, agent).await?.ok_or_else(|| ApiError::not_found("run"))?;
-    Ok(Json(run_json(&run)))
 }
 
 /// Hands an email or a webhook call to airlock. Idempotent on (run_id, step_id).

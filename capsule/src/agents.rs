@@ -8,6 +8,8 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{FromRow, PgExecutor};
 
+use airlock_core::error::{DomainError, ErrorKind};
+
 use super::AgentId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, sqlx::Type)]
@@ -95,6 +97,16 @@ pub enum AgentError {
     InvalidTransition(String),
     #[error(transparent)]
     Db(#[from] sqlx::Error),
+}
+
+impl DomainError for AgentError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            AgentError::NotFound(_) => ErrorKind::NotFound,
+            AgentError::InvalidTransition(_) => ErrorKind::InvalidTransition,
+            AgentError::Db(_) => ErrorKind::Internal,
+        }
+    }
 }
 
 pub async fn get(db: impl PgExecutor<'_>, id: &AgentId) -> Result<Option<Agent>, sqlx::Error> {

@@ -18,6 +18,7 @@ use uuid::Uuid;
 
 use super::agents::{self, AgentError};
 use super::{AgentId, NodeId};
+use airlock_core::error::{DomainError, ErrorKind};
 use airlock_queue::{self as queue, EffectClass, Lease, NewJob};
 
 /// The job kind that drives a migration.
@@ -207,6 +208,20 @@ pub enum RelocationError {
     Queue(#[from] queue::QueueError),
     #[error(transparent)]
     Db(#[from] sqlx::Error),
+}
+
+impl DomainError for RelocationError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            RelocationError::NotFound(_) | RelocationError::Agent(AgentError::NotFound(_)) => ErrorKind::NotFound,
+            RelocationError::Invalid(_) => ErrorKind::Validation,
+            RelocationError::Db(_) | RelocationError::Agent(AgentError::Db(_)) => ErrorKind::Internal,
+            RelocationError::Queue(q) => q.kind(),
+            RelocationError::Agent(AgentError::InvalidTransition(_))
+            | RelocationError::IllegalMove { .. }
+            | RelocationError::Fenced { .. } => ErrorKind::InvalidTransition,
+        }
+    }
 }
 
 /// Creates a migration of `agent` to `target` and enqueues its job, in the caller's

@@ -32,6 +32,13 @@ pub const SEND_ATTEMPTS: &str = "airlock_send_attempts_total";
 pub const RECEIPTS: &str = "airlock_receipts_total";
 /// 1 when sending is on, 0 when off, sampled.
 pub const SEND_ENABLED: &str = "airlock_send_enabled";
+/// Steps recorded in runs' replay logs, by kind.
+pub const RUN_STEPS: &str = "airlock_run_steps_total";
+/// Events of runs' effects, by event (started, succeeded, failed, awaiting_human, and a
+/// human's confirmed_done, retry, abandon).
+pub const RUN_EFFECTS: &str = "airlock_run_effects_total";
+/// Runs by state, sampled.
+pub const RUNS: &str = "airlock_runs";
 /// HTTP requests by service, method, route and status.
 pub const HTTP_REQUESTS: &str = "airlock_http_requests_total";
 
@@ -47,6 +54,9 @@ pub const ALL: &[&str] = &[
     SEND_ATTEMPTS,
     RECEIPTS,
     SEND_ENABLED,
+    RUN_STEPS,
+    RUN_EFFECTS,
+    RUNS,
     HTTP_REQUESTS,
 ];
 

@@ -1,5 +1,5 @@
-//! The gauges sampled when `/metrics` is scraped: deliveries by state and the send switch,
-//! with the queue's depth beside them.
+//! The gauges sampled when `/metrics` is scraped: deliveries by state, runs by state and
+//! the send switch, with the queue's depth beside them.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -16,6 +16,7 @@ pub fn gauges(pool: &PgPool) -> Pin<Box<dyn Future<Output = Result<(), sqlx::Err
         for (state, n) in deliveries {
             metrics::gauge!(DELIVERIES, "state" => state).set(n as f64);
         }
+        airlock_runs::run::sample_gauges(pool).await?;
         let on: bool = sqlx::query_scalar("SELECT send_enabled FROM settings WHERE id = 1").fetch_one(pool).await?;
         metrics::gauge!(SEND_ENABLED).set(if on { 1.0 } else { 0.0 });
         Ok(())

@@ -13,15 +13,12 @@
 //!   origin.
 
 use hmac::{Hmac, Mac};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 use uuid::Uuid;
 
 use crate::artifact::{EmailAddress, Scheme, parse_url};
 
 type HmacSha256 = Hmac<Sha256>;
-
-/// Domain separator of idempotency keys; bump the version to change the derivation.
-const IDEMPOTENCY_KEY_CONTEXT: &[u8] = b"airlock/v1\0";
 
 /// Why an effect may not be performed as configured.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -98,18 +95,12 @@ fn is_loopback(host: &str) -> bool {
     host.parse::<std::net::Ipv4Addr>().is_ok_and(|ip| ip.is_loopback())
 }
 
-/// Idempotency key of the effect of step `step_id` of run `run_id`: `"dlv_"` followed by
-/// the first 32 hex characters of sha256(`"airlock/v1\0" + run_id + "\0" + step_id`), the
-/// run id in its hyphenated lowercase form. Deterministic, so every retry and every worker
-/// derives the same key.
+/// Idempotency key of the delivery of step `step_id` of run `run_id`: `"dlv_"` followed by
+/// the run's one key derivation ([`airlock_runs::key::digest`]: the first 32 hex characters
+/// of sha256(`"airlock/v1\0" + run_id + "\0" + step_id`)). Deterministic, so every retry
+/// and every worker derives the same key.
 pub fn idempotency_key(run_id: &Uuid, step_id: &str) -> String {
-    let mut hasher = Sha256::new();
-    hasher.update(IDEMPOTENCY_KEY_CONTEXT);
-    hasher.update(run_id.hyphenated().to_string().as_bytes());
-    hasher.update(b"\0");
-    hasher.update(step_id.as_bytes());
-    let digest = hex::encode(hasher.finalize());
-    format!("dlv_{}", &digest[..32])
+    format!("dlv_{}", airlock_runs::key::digest((*run_id).into(), step_id))
 }
 
 /// Message-ID of an email, derived from its idempotency key so that whoever resolves a

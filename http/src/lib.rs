@@ -420,6 +420,54 @@ impl PageQuery {
     }
 }
 
+/// The `limit` of a list route (default 50, at most 1000).
+pub fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
+    PageQuery { limit, cursor: None }.limit()
+}
+
+/// An opaque cursor: the position, base64url.
+pub fn encode_cursor(s: &str) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s)
+}
+
+/// The position inside a cursor this service issued.
+pub fn decode_cursor(c: &str) -> Result<String, ApiError> {
+    use base64::Engine;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(c)
+        .ok()
+        .and_then(|b| String::from_utf8(b).ok())
+        .ok_or_else(|| ApiError::validation("cursor: not a cursor this service issued"))
+}
+
+/// Reads a `(created_at, id)` cursor of a list ordered oldest first.
+pub fn decode_time_cursor<Id: std::str::FromStr>(
+    cursor: Option<&str>,
+) -> Result<Option<(chrono::DateTime<chrono::Utc>, Id)>, ApiError> {
+    let Some(c) = cursor else { return Ok(None) };
+    let raw = decode_cursor(c)?;
+    let (at, id) = raw.split_once('|').ok_or_else(|| ApiError::validation("cursor: malformed"))?;
+    let at = chrono::DateTime::parse_from_rfc3339(at)
+        .map_err(|_| ApiError::validation("cursor: malformed"))?
+        .with_timezone(&chrono::Utc);
+    Ok(Some((at, parse_id(id)?)))
+}
+
+/// The cursor after the last row of a full page ordered by `(created_at, id)`; `None` on
+/// the last page.
+pub fn next_time_cursor<Id: std::fmt::Display>(
+    more: bool,
+    last: Option<(chrono::DateTime<chrono::Utc>, Id)>,
+) -> Option<String> {
+    match (more, last) {
+        (true, Some((at, id))) => {
+            Some(encode_cursor(&format!("{}|{}", at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true), id)))
+        }
+        _ => None,
+    }
+}
+
 /// Serves `router` on `listener` until `shutdown` fires.
 pub async fn serve(
     listener: tokio::net::TcpListener,

@@ -1,22 +1,35 @@
-//! Typed parts of other crates' statements that spend from a run in the same statement
-//! that records what the run did (a delivery, a step), so nothing is recorded without its
-//! budget spent, and no other crate writes SQL for `runs`.
+//! Typed parts of other crates' statements that spend from a run and record their step in
+//! its replay log in the same statement that records what the run did (a delivery), so
+//! nothing is recorded without its budget spent, and no other crate writes SQL for `runs`
+//! or `run_steps`.
 
 use airlock_core::ids::RunId;
+use serde_json::Value;
 use sqlx::{Postgres, QueryBuilder};
 
-/// Pushes `cte AS (…)`: spends one step of run `run_id` of `agent`, if it has a step left;
-/// the step that spends the last one leaves the run `budget_exhausted`. Yields `(id)` when
-/// the step was spent, nothing otherwise (another agent's run, or no step left).
-pub fn spend_step(qb: &mut QueryBuilder<Postgres>, cte: &str, run_id: RunId, agent: &str) {
-    qb.push(cte).push(
-        " AS (UPDATE runs SET used_steps = used_steps + 1, updated_at = now(), \
-             state = CASE WHEN max_steps <> 0 AND used_steps + 1 >= max_steps \
-                          THEN 'budget_exhausted'::run_state ELSE state END \
-         WHERE id = ",
-    );
-    qb.push_bind(run_id);
-    qb.push(" AND agent = ");
-    qb.push_bind(agent.to_string());
-    qb.push(" AND (max_steps = 0 OR used_steps < max_steps) RETURNING id)");
+use crate::budget::Usage;
+use crate::steps::{NewStep, StepKind, push_insert, push_spend};
+
+/// Pushes `spent AS (…), step AS (…)`: spends one step of active run `run_id` of `agent`
+/// (if no limit would be passed) and records step `step_id` of kind `kind` with `data` in
+/// its replay log. `step` yields `(run_id, seq, step_id, …)` when both were written,
+/// nothing otherwise; a step that exists fails the statement (the unique key
+/// `run_steps_run_step_key`), and with it everything the statement wrote.
+pub fn spend_and_record(
+    qb: &mut QueryBuilder<Postgres>,
+    run_id: RunId,
+    agent: &str,
+    step_id: &str,
+    kind: StepKind,
+    data: &Value,
+) {
+    let usage = Usage::default();
+    push_spend(qb, "spent", run_id, Some(agent), None, usage, true);
+    qb.push(", ");
+    push_insert(qb, "step", "spent", &NewStep { step_id, kind, data, usage });
+}
+
+/// Whether a statement failed because its step exists already.
+pub fn is_step_taken(e: &sqlx::Error) -> bool {
+    crate::steps::is_step_taken(e)
 }

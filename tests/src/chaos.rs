@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::harness::Rng;
 use airlock_core::config::Config;
 use airlock_core::principals::{self, Principal, Role};
 use airlock_delivery::artifact::Artifact;
@@ -123,23 +124,6 @@ impl Summary {
             let _ = writeln!(out, "| {k} | {v} |");
         }
         out
-    }
-}
-
-/// splitmix64: a tiny seedable generator for the killer's choices.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi.saturating_sub(lo) + 1)
     }
 }
 
@@ -264,7 +248,8 @@ pub async fn run(cfg: &ChaosConfig) -> anyhow::Result<Summary> {
     let (operator, _) = principals::create(&pool, "chaos-operator", Role::Operator, None).await?;
     create_grants(&pool, &operator, agent_id, &hooks.origin(), cfg.deliveries).await?;
     pipeline::set_send_enabled(&pool, &operator, true, Some("chaos run")).await?;
-    let run_row = airlock_runs::store::insert(&pool, agent_id, &json!({"chaos": cfg.seed}), Default::default()).await?;
+    let run_row =
+        airlock_runs::run::create(&pool, agent_id, agent_id, &json!({"chaos": cfg.seed}), Default::default()).await?;
 
     smtp.set_random_faults(cfg.smtp_fault_p, cfg.seed);
     let mut fleet = Fleet { bin: cfg.worker_bin.clone(), env, log_dir: cfg.log_dir.clone(), started: 0 };

@@ -130,3 +130,21 @@ pub async fn lease_never_held(pool: &PgPool, lease: airlock_queue::Lease) -> air
     let job = airlock_queue::get(pool, lease.id()).await.expect("the job exists");
     airlock_queue::Job { attempt: lease.attempt() + 1, ..job }.lease()
 }
+
+/// splitmix64: a tiny seedable generator, so a seed replays the same random choices.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A number in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi.saturating_sub(lo) + 1)
+    }
+}

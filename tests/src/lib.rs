@@ -10,6 +10,8 @@
 //! - [`webhook`]: a webhook receiver that records every request and answers as told.
 //! - [`pgproxy`]: a TCP proxy in front of Postgres that can cut or stall connections.
 //! - [`reliability`]: helpers of the crash and fault suites.
+//! - [`scripted`]: the operations of the scripted agent (`airlock-scripted-agent`), a
+//!   resumable client of a durable run.
 //! - [`invariants`]: the promises every suite checks at its end (nothing lost, nothing
 //!   sent twice, every chain intact).
 //! - [`chaos`]: the chaos run (`airlock-chaos`): real workers killed at random.
@@ -22,5 +24,6 @@ pub mod harness;
 pub mod invariants;
 pub mod pgproxy;
 pub mod reliability;
+pub mod scripted;
 pub mod smtp;
 pub mod webhook;

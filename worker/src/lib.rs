@@ -1,9 +1,21 @@
 //! airlock-worker: claims jobs from the queue and runs their handlers until told to stop.
 //!
-//! [`runtime::Worker`] is the loop (claim, run, heartbeat, rescue, prune, drain);
-//! [`handler`] is how job kinds plug in; [`batch`] lets handlers share transactions; [`delivery`] holds the pipeline's kinds; [`diag`] holds diagnostic kinds used to check a
-//! fleet (and by the crash suites); [`app`] wires configuration, handlers and signals for
-//! the binary; [`sandbox`] holds the sandboxed tasks' kinds (`sandbox.select`, `sandbox.run`).
+//! A tour:
+//! - [`runtime`]: the worker itself, [`Worker`] (claim, run, complete, drain), and its
+//!   maintenance loops, each with a `run_once` that tests call directly:
+//!   [`runtime::heartbeat`] (leases kept alive; a lease missed twice cancels its job),
+//!   [`runtime::rescue`] (expired leases settled) and [`runtime::retention`] (old jobs
+//!   pruned); [`runtime::in_flight`] is the set of jobs it holds. Its private parts:
+//!   `claim` (the claim loop and its caches), `execute` (slots and handlers), `complete`
+//!   (batched completions) and `listen` (LISTEN/NOTIFY wake-ups).
+//! - [`handler`]: how job kinds plug in (a [`Handler`] per kind in a [`Registry`]).
+//! - [`batch`]: lets handlers running at once share transactions.
+//! - [`delivery`]: the pipeline's kinds (`delivery.score`, `delivery.send`).
+//! - [`sandbox`]: the sandboxed tasks' kinds (`sandbox.select`, `sandbox.run`).
+//! - [`migrate`]: the `capsule.migrate` kind, moving an agent between nodes.
+//! - [`node`]: the node service, for a worker that hosts agents.
+//! - [`diag`]: diagnostic kinds used to check a fleet (and by the crash suites).
+//! - [`app`]: wires configuration, handlers and signals for the binary.
 
 pub mod app;
 pub mod batch;

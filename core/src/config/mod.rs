@@ -51,6 +51,9 @@ pub struct Config {
     pub worker: WorkerConfig,
     #[serde(default)]
     pub retention: RetentionConfig,
+    /// Durable runs: the budget ceilings an operator sets (see [`RunsConfig`]).
+    #[serde(default)]
+    pub runs: RunsConfig,
     #[serde(default)]
     pub capsules: CapsulesConfig,
     /// Peers that host agents, by node id (`nodes.<id>.url`).
@@ -270,6 +273,78 @@ impl Default for WorkerConfig {
     }
 }
 
+/// Durable runs (`runs.*`): the most an agent may ask for, and the size of what a step
+/// records. A ceiling of 0 means "no ceiling".
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunsConfig {
+    /// Steps a run may record (steps, effects and deliveries each spend one).
+    pub max_steps: i64,
+    /// Tokens a run may spend (0: no ceiling).
+    pub max_tokens: i64,
+    /// Cost a run may spend, in millionths of the operator's unit (0: no ceiling).
+    pub max_cost_micros: i64,
+    /// The largest `data` of a step, and the largest `inputs` or `result` of a run.
+    pub max_data_bytes: usize,
+    /// Ceilings of one agent, replacing the ones above for its runs
+    /// (`runs.agents.<agent>.max_steps`, `.max_tokens`, `.max_cost_micros`).
+    pub agents: std::collections::BTreeMap<String, RunCeilings>,
+}
+
+/// One agent's run ceilings; an unset one is the default ceiling.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunCeilings {
+    pub max_steps: Option<i64>,
+    pub max_tokens: Option<i64>,
+    pub max_cost_micros: Option<i64>,
+}
+
+impl Default for RunsConfig {
+    fn default() -> Self {
+        Self {
+            max_steps: 10_000,
+            max_tokens: 0,
+            max_cost_micros: 0,
+            max_data_bytes: 256 * 1024,
+            agents: Default::default(),
+        }
+    }
+}
+
+impl RunsConfig {
+    /// The ceilings of `agent`'s runs: `(max_steps, max_tokens, max_cost_micros)`, 0 none.
+    pub fn ceilings(&self, agent: &str) -> (i64, i64, i64) {
+        let own = self.agents.get(agent).or_else(|| self.agents.get(&agent.to_ascii_lowercase()));
+        let pick = |own: Option<i64>, default: i64| own.unwrap_or(default);
+        (
+            pick(own.and_then(|c| c.max_steps), self.max_steps),
+            pick(own.and_then(|c| c.max_tokens), self.max_tokens),
+            pick(own.and_then(|c| c.max_cost_micros), self.max_cost_micros),
+        )
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_steps < 0 || self.max_tokens < 0 || self.max_cost_micros < 0 {
+            return Err(invalid("runs", "runs.max_steps, .max_tokens and .max_cost_micros must be 0 or positive"));
+        }
+        if self.max_data_bytes < 1024 || self.max_data_bytes > 16 * 1024 * 1024 {
+            return Err(invalid("runs.max_data_bytes", "must be between 1024 and 16777216"));
+        }
+        for (agent, c) in &self.agents {
+            for v in [c.max_steps, c.max_tokens, c.max_cost_micros].into_iter().flatten() {
+                if v < 0 {
+                    return Err(invalid(
+                        "runs.agents",
+                        format!("`runs.agents.{agent}`: ceilings must be 0 or positive"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RetentionConfig {
@@ -376,6 +451,7 @@ impl Config {
             return Err(invalid("delivery.max_send_attempts", "must be at least 1"));
         }
         self.validate_capsules()?;
+        self.runs.validate()?;
         if self.retention.batch_size < 1 {
             return Err(invalid("retention.batch_size", "must be at least 1"));
         }

@@ -71,6 +71,8 @@ pub enum PipelineError {
     IdempotencyConflict { run_id: RunId, step_id: String },
     #[error("the run's step budget is spent")]
     BudgetExhausted,
+    #[error(transparent)]
+    Run(#[from] airlock_runs::RunError),
     #[error("{0}")]
     Forbidden(String),
     #[error(transparent)]
@@ -89,6 +91,7 @@ impl DomainError for PipelineError {
             PipelineError::StaleArtifact { .. } => ErrorKind::StaleArtifact,
             PipelineError::IdempotencyConflict { .. } => ErrorKind::IdempotencyConflict,
             PipelineError::BudgetExhausted => ErrorKind::BudgetExhausted,
+            PipelineError::Run(e) => e.kind(),
             PipelineError::Forbidden(_) => ErrorKind::Forbidden,
             PipelineError::Db(_) => ErrorKind::Internal,
         }

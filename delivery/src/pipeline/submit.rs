@@ -7,6 +7,11 @@ use airlock_queue::{NewJob, Waker};
 use serde_json::json;
 use sqlx::PgPool;
 
+use airlock_runs::RunError;
+use airlock_runs::budget::Usage;
+use airlock_runs::state::{Action, RunState};
+use airlock_runs::steps::StepKind;
+
 use super::{PipelineError, SCORE_JOB, check_policy};
 use crate::actor::Actor;
 use crate::artifact::{Artifact, Limits};
@@ -80,11 +85,29 @@ pub async fn submit(
         return Ok((d, true));
     }
     // Nothing was written. Said in the order a submission is judged: whose run it is,
-    // whether the step has its delivery already, whether a step is left to spend.
-    airlock_runs::store::get(pool, run_id, agent).await?.ok_or(PipelineError::NotFound("run"))?;
+    // whether the step has its delivery already (or is something else in the run's log),
+    // whether the run takes steps, whether a step is left to spend.
+    let run = airlock_runs::run::get(pool, run_id, agent).await?.ok_or(PipelineError::NotFound("run"))?;
     match store::find_by_step(pool, run_id, step_id).await? {
-        Some(existing) if existing.submitted_sha256 == s.artifact.sha256_hex() => Ok((existing, false)),
-        Some(_) => Err(PipelineError::IdempotencyConflict { run_id, step_id: s.step_id }),
-        None => Err(PipelineError::BudgetExhausted),
+        Some(existing) if existing.submitted_sha256 == s.artifact.sha256_hex() => return Ok((existing, false)),
+        Some(_) => return Err(PipelineError::IdempotencyConflict { run_id, step_id: s.step_id }),
+        None => {}
+    }
+    if let Some(step) = airlock_runs::steps::get(pool, run_id, step_id).await? {
+        return Err(RunError::Diverged {
+            step_id: s.step_id,
+            recorded: step.kind.as_str().into(),
+            given: StepKind::Delivery.as_str().into(),
+        }
+        .into());
+    }
+    if run.state != RunState::Active {
+        return Err(airlock_runs::run::not_allowed(run.state, Action::Exhaust).into());
+    }
+    match airlock_runs::run::exhaust_if_over(pool, run_id, Usage::default()).await? {
+        Some(limit) => Err(RunError::BudgetExhausted { limit }.into()),
+        None => {
+            Err(PipelineError::InvalidTransition("the run changed while the delivery was submitted; try again".into()))
+        }
     }
 }

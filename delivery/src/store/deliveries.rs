@@ -68,12 +68,13 @@ pub struct NewDelivery<'a> {
 }
 
 /// Persists a new delivery in one statement, a transaction of its own: spends one step of
-/// the run (which must be `agent`'s and have a step left), stores the artifact unless the
+/// the run (which must be `agent`'s, active, and have a step left) and records the
+/// delivery as a step of its replay log (kind `delivery`), stores the artifact unless the
 /// same content is stored already, and inserts the delivery in `persisted` with its first
 /// event and `job`, its scoring, with no NOTIFY (see [`airlock_queue::Waker`]). Every part
-/// or none: a step that has a delivery already fails the delivery's insert, and with it the
-/// whole statement, spent step included. `None`: nothing written, because the run is not
-/// `agent`'s, or has no step left, or the step has its delivery already.
+/// or none: a step that is recorded already fails the statement, spent step included.
+/// `None`: nothing written, because the run is not `agent`'s, or not active, or has no
+/// step left, or the step is recorded already.
 pub async fn submit(
     db: impl PgExecutor<'_>,
     new: &NewDelivery<'_>,
@@ -99,16 +100,25 @@ pub async fn submit(
         data: &data,
     };
     let hash = event_hash(None, &first);
+    // The delivery is a step of its run's replay log, spending one step of its budget.
+    let step_data = serde_json::json!({"delivery_id": id, "channel": artifact.channel(), "artifact_sha256": sha});
     let mut qb = airlock_queue::piece::Builder::new("WITH ");
-    airlock_runs::piece::spend_step(&mut qb, "spent", run_id, agent);
+    airlock_runs::piece::spend_and_record(
+        &mut qb,
+        run_id,
+        agent,
+        step_id,
+        airlock_runs::steps::StepKind::Delivery,
+        &step_data,
+    );
     qb.push(", artifact AS (INSERT INTO artifacts (sha256, body, size_bytes) SELECT ");
     qb.push_bind(sha.clone()).push(", ").push_bind(artifact.to_json()).push(", ").push_bind(size);
-    qb.push(" FROM spent ON CONFLICT (sha256) DO NOTHING), delivery AS (INSERT INTO deliveries (id, run_id, step_id, agent, channel, idempotency_key, artifact_sha256, submitted_sha256, effect_class, event_hash) SELECT ");
+    qb.push(" FROM step ON CONFLICT (sha256) DO NOTHING), delivery AS (INSERT INTO deliveries (id, run_id, step_id, agent, channel, idempotency_key, artifact_sha256, submitted_sha256, effect_class, event_hash) SELECT ");
     qb.push_bind(id).push(", ").push_bind(run_id).push(", ").push_bind(step_id.to_string()).push(", ");
     qb.push_bind(agent.to_string()).push(", ").push_bind(artifact.channel()).push(", ");
     qb.push_bind(idempotency_key.to_string()).push(", ").push_bind(sha.clone()).push(", ").push_bind(sha);
     qb.push(", ").push_bind(class).push(", ").push_bind(hash.clone());
-    qb.push(" FROM spent RETURNING *), event AS (INSERT INTO delivery_events (delivery_id, seq, from_state, to_state, actor, reason, data, prev_hash, hash) SELECT id, 1, NULL, 'persisted', ");
+    qb.push(" FROM step RETURNING *), event AS (INSERT INTO delivery_events (delivery_id, seq, from_state, to_state, actor, reason, data, prev_hash, hash) SELECT id, 1, NULL, 'persisted', ");
     qb.push_bind(actor).push(", ").push_bind(reason).push(", ").push_bind(data).push(", NULL, ").push_bind(hash);
     qb.push(" FROM delivery), ");
     // The scoring job: its unique key names this new delivery, so no live job holds it.
@@ -125,6 +135,7 @@ fn is_step_taken(e: &sqlx::Error) -> bool {
     e.as_database_error()
         .and_then(|d| d.constraint())
         .is_some_and(|c| c == "deliveries_run_step_key" || c == "deliveries_idempotency_key_key")
+        || airlock_runs::piece::is_step_taken(e)
 }
 
 pub async fn get(db: impl PgExecutor<'_>, id: DeliveryId) -> Result<Option<Delivery>, sqlx::Error> {

@@ -1,0 +1,226 @@
+//! The worker's maintenance passes, one `run_once` at a time against a fresh database: the
+//! lease heartbeat, the rescuer and retention.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use airlock_core::ids::JobId;
+use airlock_queue::{self as queue, ClaimFilter, JobState, NewJob};
+use airlock_worker::WorkerStats;
+use airlock_worker::runtime::{Heartbeat, HeartbeatCounts, InFlight, retention};
+use serde_json::json;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+const LEASE: Duration = Duration::from_secs(30);
+const WORKER: &str = "w-maintenance";
+
+async fn enqueue(pool: &PgPool, n: usize) {
+    let jobs: Vec<NewJob> = (0..n).map(|i| NewJob::new("t", json!({ "i": i }))).collect();
+    let mut tx = pool.begin().await.unwrap();
+    queue::enqueue_many(&mut tx, &jobs).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+async fn claim(pool: &PgPool, owner: &str, n: i64) -> Vec<queue::Job> {
+    queue::claim_batch(pool, owner, &ClaimFilter::default(), n, LEASE).await.unwrap()
+}
+
+async fn expire_leases(pool: &PgPool) {
+    sqlx::query("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE state = 'running'")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// Takes job `id` from its holder as a stall would: its lease runs out, the rescuer gives
+/// it back, and another worker claims it (at the next attempt).
+async fn take_over(pool: &PgPool, id: JobId) {
+    sqlx::query("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1")
+        .bind(id)
+        .execute(pool)
+        .await
+        .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    assert_eq!(queue::rescue_expired(&mut tx, 100).await.unwrap().len(), 1);
+    tx.commit().await.unwrap();
+    sqlx::query("UPDATE jobs SET run_at = now() WHERE id = $1").bind(id).execute(pool).await.unwrap();
+    let taken = claim(pool, "w-other", 1).await;
+    assert_eq!(taken.iter().map(|j| (j.id, j.attempt)).collect::<Vec<_>>(), vec![(id, 2)]);
+}
+
+/// A heartbeat over `in_flight`, for a registered worker.
+async fn heartbeat(pool: &PgPool, in_flight: &InFlight) -> (Heartbeat, Arc<WorkerStats>) {
+    queue::fleet::register(pool, WORKER, "host", None, 4).await.unwrap();
+    let stats = Arc::new(WorkerStats::default());
+    (Heartbeat::new(pool.clone(), WORKER.into(), LEASE, in_flight.clone(), stats.clone()), stats)
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_heartbeat_extends_every_held_lease_and_refreshes_the_worker_row(pool: PgPool) {
+    enqueue(&pool, 2).await;
+    let jobs = claim(&pool, WORKER, 2).await;
+    let in_flight = InFlight::default();
+    for j in &jobs {
+        in_flight.hold(j.lease());
+    }
+    let (mut hb, stats) = heartbeat(&pool, &in_flight).await;
+    sqlx::query("UPDATE jobs SET lease_expires_at = now() + interval '1 second'").execute(&pool).await.unwrap();
+
+    let counts = hb.run_once().await.unwrap();
+    assert_eq!(counts, HeartbeatCounts { extended: 2, missed: 0, lost: 0 });
+    let short: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE lease_expires_at < now() + interval '20 seconds'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(short, 0, "both leases extended by the lease length");
+    let held: i32 =
+        sqlx::query_scalar("SELECT in_flight FROM workers WHERE id = $1").bind(WORKER).fetch_one(&pool).await.unwrap();
+    assert_eq!(held, 2);
+    assert_eq!(WorkerStats::get(&stats.lease_lost), 0);
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_lease_missed_once_is_given_a_pass_and_missed_twice_cancels_its_job(pool: PgPool) {
+    enqueue(&pool, 2).await;
+    let jobs = claim(&pool, WORKER, 2).await;
+    let in_flight = InFlight::default();
+    let tokens: Vec<CancellationToken> = jobs.iter().map(|j| in_flight.hold(j.lease())).collect();
+    let (mut hb, stats) = heartbeat(&pool, &in_flight).await;
+    take_over(&pool, jobs[0].id).await;
+
+    // First miss: the job may just have ended in its own transaction; nothing is cancelled.
+    assert_eq!(hb.run_once().await.unwrap(), HeartbeatCounts { extended: 1, missed: 1, lost: 0 });
+    assert!(!tokens[0].is_cancelled(), "one miss does not cancel");
+    assert_eq!(WorkerStats::get(&stats.lease_lost), 0);
+
+    // Second miss, the job still in flight: the lease is lost.
+    assert_eq!(hb.run_once().await.unwrap(), HeartbeatCounts { extended: 1, missed: 0, lost: 1 });
+    assert!(tokens[0].is_cancelled(), "the job whose lease was taken is cancelled");
+    assert!(!tokens[1].is_cancelled(), "the job still held runs on");
+    assert_eq!(WorkerStats::get(&stats.lease_lost), 1);
+
+    // The other holder's lease was never touched.
+    let owner: String = sqlx::query_scalar("SELECT lease_owner FROM jobs WHERE id = $1")
+        .bind(jobs[0].id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(owner, "w-other");
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_job_that_ends_between_two_misses_is_not_cancelled(pool: PgPool) {
+    enqueue(&pool, 1).await;
+    let job = claim(&pool, WORKER, 1).await.pop().unwrap();
+    let in_flight = InFlight::default();
+    let token = in_flight.hold(job.lease());
+    let (mut hb, stats) = heartbeat(&pool, &in_flight).await;
+
+    // The handler finishes its job in its own transaction; the heartbeat runs before the
+    // worker lets go of it.
+    queue::complete(&pool, job.lease()).await.unwrap();
+    assert_eq!(hb.run_once().await.unwrap(), HeartbeatCounts { extended: 0, missed: 1, lost: 0 });
+    in_flight.remove(job.id);
+    assert_eq!(hb.run_once().await.unwrap(), HeartbeatCounts::default());
+    assert!(!token.is_cancelled());
+    assert_eq!(WorkerStats::get(&stats.lease_lost), 0);
+    let state: JobState =
+        sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1").bind(job.id).fetch_one(&pool).await.unwrap();
+    assert_eq!(state, JobState::Completed);
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn the_rescuer_repeats_while_full_batches_come_back(pool: PgPool) {
+    enqueue(&pool, 5).await;
+    assert_eq!(claim(&pool, "w-crashed", 5).await.len(), 5);
+    expire_leases(&pool).await;
+
+    let registry = airlock_worker::Registry::new();
+    let counts = airlock_worker::runtime::rescue_once(&pool, &registry, 2).await.unwrap();
+    assert_eq!((counts.retried, counts.failed, counts.parked), (5, 0, 0), "batches of 2, 2 and 1 in one pass");
+    let available: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'available'").fetch_one(&pool).await.unwrap();
+    assert_eq!(available, 5);
+    let again = airlock_worker::runtime::rescue_once(&pool, &registry, 2).await.unwrap();
+    assert_eq!((again.retried, again.failed, again.parked), (0, 0, 0), "nothing left to rescue");
+}
+
+/// 250 completed jobs and one cancelled job that finished two hours ago, 10 completed just
+/// now, and one failed two hours ago.
+async fn finished_jobs(pool: &PgPool) {
+    enqueue(pool, 251).await;
+    let old = claim(pool, WORKER, 251).await;
+    let leases: Vec<queue::Lease> = old.iter().skip(1).map(|j| j.lease()).collect();
+    assert_eq!(queue::complete_many(pool, &leases).await.unwrap().len(), 250);
+    queue::release(pool, old[0].lease()).await.unwrap();
+    queue::cancel(pool, old[0].id, "not wanted").await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    queue::enqueue(&mut tx, &NewJob::new("t", json!({})).max_attempts(1)).await.unwrap();
+    tx.commit().await.unwrap();
+    let failing = claim(pool, WORKER, 1).await.pop().unwrap();
+    assert_eq!(queue::fail(pool, failing.lease(), "boom", true, None).await.unwrap(), queue::FailOutcome::Failed);
+    sqlx::query("UPDATE jobs SET finished_at = now() - interval '2 hours' WHERE finished_at IS NOT NULL")
+        .execute(pool)
+        .await
+        .unwrap();
+
+    enqueue(pool, 10).await;
+    let recent: Vec<queue::Lease> = claim(pool, WORKER, 10).await.iter().map(|j| j.lease()).collect();
+    assert_eq!(queue::complete_many(pool, &recent).await.unwrap().len(), 10);
+}
+
+async fn count(pool: &PgPool) -> Vec<(JobState, i64)> {
+    sqlx::query_as("SELECT state, count(*) FROM jobs GROUP BY state ORDER BY state").fetch_all(pool).await.unwrap()
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn retention_deletes_old_finished_jobs_in_batches(pool: PgPool) {
+    finished_jobs(&pool).await;
+    let stats = WorkerStats::default();
+    let hour = Duration::from_secs(3600);
+    let never = CancellationToken::new();
+
+    let pruned = retention::run_once(&pool, hour, 100, &stats, &never).await.unwrap();
+    assert_eq!(pruned, retention::Pruned { deleted: 251, batches: 3 }, "100, 100, then 51");
+    assert_eq!(WorkerStats::get(&stats.pruned), 251);
+    assert_eq!(
+        count(&pool).await,
+        vec![(JobState::Completed, 10), (JobState::Failed, 1)],
+        "recent jobs and failed ones stay"
+    );
+    let again = retention::run_once(&pool, hour, 100, &stats, &never).await.unwrap();
+    assert_eq!(again, retention::Pruned { deleted: 0, batches: 1 });
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_retention_pass_stops_between_batches_once_its_worker_stops(pool: PgPool) {
+    finished_jobs(&pool).await;
+    let stats = WorkerStats::default();
+    let stopped = CancellationToken::new();
+    stopped.cancel();
+
+    let pruned = retention::run_once(&pool, Duration::from_secs(3600), 100, &stats, &stopped).await.unwrap();
+    assert_eq!(pruned, retention::Pruned { deleted: 100, batches: 1 }, "the batch under way finishes; no other starts");
+    assert_eq!(WorkerStats::get(&stats.pruned), 100);
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_lost_lease_is_counted_once_however_long_its_job_waits_for_a_slot(pool: PgPool) {
+    enqueue(&pool, 1).await;
+    let job = claim(&pool, WORKER, 1).await.pop().unwrap();
+    let in_flight = InFlight::default();
+    // Held but waiting in the buffer: nothing lets go of it until a slot frees up.
+    let token = in_flight.hold(job.lease());
+    let (mut hb, stats) = heartbeat(&pool, &in_flight).await;
+    take_over(&pool, job.id).await;
+
+    assert_eq!(hb.run_once().await.unwrap().missed, 1);
+    assert_eq!(hb.run_once().await.unwrap().lost, 1);
+    assert!(token.is_cancelled());
+    for _ in 0..4 {
+        assert_eq!(hb.run_once().await.unwrap(), HeartbeatCounts { extended: 0, missed: 0, lost: 0 });
+    }
+    assert_eq!(WorkerStats::get(&stats.lease_lost), 1, "one lost lease, counted once");
+}

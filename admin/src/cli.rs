@@ -50,6 +50,25 @@ pub enum Command {
         #[command(subcommand)]
         command: crate::sandbox::SandboxCommand,
     },
+    /// Re-ask another model every recorded decision of a run, with no tool call and no
+    /// effect; print per step `same` or `diverged` with both actions.
+    ReplayEval {
+        /// The run whose replay log is the fixture.
+        #[arg(long)]
+        run: String,
+        /// The other model's server: `http://127.0.0.1:<port>` or `http://[::1]:<port>`.
+        #[arg(long)]
+        endpoint: String,
+        /// The model id to ask.
+        #[arg(long)]
+        model: String,
+        /// One JSON document instead of lines.
+        #[arg(long)]
+        json: bool,
+        /// How long one completion may take.
+        #[arg(long, default_value_t = 120)]
+        timeout_seconds: u64,
+    },
 }
 
 #[derive(Subcommand)]
@@ -239,6 +258,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         },
         Command::Sandbox { command } => crate::sandbox::run_cli(&pool, &cfg, command).await,
+        Command::ReplayEval { run, endpoint, model, json, timeout_seconds } => {
+            let run: airlock_core::ids::RunId =
+                run.parse().map_err(|_| anyhow::anyhow!("--run: `{run}` is not a run id"))?;
+            let timeout = std::time::Duration::from_secs(timeout_seconds.max(1));
+            let compared = crate::replay::evaluate(&pool, run, &endpoint, &model, timeout).await?;
+            crate::replay::print(run, &model, &compared, json);
+            Ok(())
+        }
         Command::Serve => {
             let listener = tokio::net::TcpListener::bind(cfg.admin.listen).await?;
             tracing::info!(listen = %listener.local_addr()?, "admin listening");

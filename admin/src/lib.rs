@@ -5,6 +5,7 @@
 //! - [`server`]: the HTTP router and its handlers (deliveries, review, the send switch,
 //!   grants, audit, jobs and workers), built so tests can start it in-process.
 //! - [`capsule`]: the capsule commands and the agent and relocation routes.
+//! - [`replay`]: `replay-eval`, a run's recorded decisions asked again of another model.
 //! - [`runs`]: the runs, one run's replay log and effects, cancellation, and a human's
 //!   settlement of an effect whose outcome nobody knows.
 //! - [`sandbox`]: the operator's sandbox routes and the `sandbox report` command.
@@ -13,6 +14,7 @@
 pub mod capsule;
 pub mod cli;
 pub mod page;
+pub mod replay;
 pub mod runs;
 pub mod sandbox;
 pub mod server;

@@ -7,13 +7,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod runs;
+mod sandbox;
+
 use anyhow::{Context, bail};
 use clap::Parser;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
-
-mod sandbox;
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Benchmarks airlock against the raw ceiling of the same Postgres")]
@@ -51,7 +52,7 @@ struct Args {
     /// No-op sandboxed runs of each kind (unisolated, bubblewrap) in the sandbox part.
     #[arg(long, default_value_t = 300)]
     sandbox_runs: usize,
-    /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline,
+    /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline, runs,
     /// sandbox), for
     /// profiling; a partial run (of parts, modes or worker counts) prints its table but
     /// writes no result file.
@@ -739,6 +740,20 @@ async fn main() -> anyhow::Result<()> {
         put(&mut results, "pipeline_p99_ms", median(p99s));
         put(&mut results, "pipeline_worker_peak_rss_mib", rss);
         rss_seen = rss_seen.max(rss);
+    }
+    if args.wants("runs") {
+        eprintln!("durable runs: steps recorded, {} runs at once; step latency at 200 steps/s", 16);
+        let (mut rates, mut p50s, mut p99s) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..r {
+            let f = runs::runs(&args).await?;
+            eprintln!("  {:.0} steps/s; step p50 {:.2} ms, p99 {:.2} ms", f.steps_per_sec, f.p50_ms, f.p99_ms);
+            rates.push(f.steps_per_sec);
+            p50s.push(f.p50_ms);
+            p99s.push(f.p99_ms);
+        }
+        put(&mut results, "run_steps_per_sec", median(rates));
+        put(&mut results, "run_step_p50_ms", median(p50s));
+        put(&mut results, "run_step_p99_ms", median(p99s));
     }
     if args.wants("sandbox") {
         eprintln!("sandboxed no-op task, start to end, {} runs of each kind", args.sandbox_runs);

@@ -768,6 +768,19 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
+/// The canonical form of a JSON value: compact, object keys sorted at every depth. The
+/// artifact hash is the sha256 of it, and so is a tool call's `arguments_sha256`.
+pub fn canonical_json(v: &Value) -> String {
+    let mut out = String::new();
+    write_canonical(v, &mut out);
+    out
+}
+
+/// Lowercase hex sha256 of [`canonical_json`].
+pub fn canonical_sha256(v: &Value) -> String {
+    hex::encode(Sha256::digest(canonical_json(v).as_bytes()))
+}
+
 /// Compact JSON with object keys sorted at every depth.
 fn write_canonical(v: &Value, out: &mut String) {
     match v {

@@ -8,6 +8,7 @@
 //! - [`smtp`]: an in-process SMTP server (STARTTLS, implicit TLS or plain) with
 //!   per-connection fault injection: a relay that refuses, drops or half-accepts.
 //! - [`webhook`]: a webhook receiver that records every request and answers as told.
+//! - [`model`]: a scripted OpenAI-compatible server (a model's answers, scripted).
 //! - [`pgproxy`]: a TCP proxy in front of Postgres that can cut or stall connections.
 //! - [`reliability`]: helpers of the crash and fault suites.
 //! - [`scripted`]: the operations of the scripted agent (`airlock-scripted-agent`), a
@@ -22,6 +23,7 @@ pub mod capsule;
 pub mod chaos;
 pub mod harness;
 pub mod invariants;
+pub mod model;
 pub mod pgproxy;
 pub mod reliability;
 pub mod scripted;

@@ -7,6 +7,7 @@
 //! Secrets are never configuration values: the configuration names the environment
 //! variables that hold them.
 
+pub mod models;
 pub mod sandbox;
 
 use std::net::{IpAddr, SocketAddr};
@@ -54,6 +55,9 @@ pub struct Config {
     /// Durable runs: the budget ceilings an operator sets (see [`RunsConfig`]).
     #[serde(default)]
     pub runs: RunsConfig,
+    /// Local models airlock talks to, by name (`models.<name>.*`, see [`models`]).
+    #[serde(default)]
+    pub models: std::collections::BTreeMap<String, models::ModelConfig>,
     #[serde(default)]
     pub capsules: CapsulesConfig,
     /// Peers that host agents, by node id (`nodes.<id>.url`).
@@ -206,11 +210,14 @@ impl Default for DeliveryConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct ScoringConfig {
     pub review_threshold: f64,
+    /// A configured model (`models.<name>`) that scores too; the lower score counts, and
+    /// a judge that is down or off-protocol sends the delivery to review.
+    pub model: Option<String>,
 }
 
 impl Default for ScoringConfig {
     fn default() -> Self {
-        Self { review_threshold: 0.7 }
+        Self { review_threshold: 0.7, model: None }
     }
 }
 
@@ -452,8 +459,34 @@ impl Config {
         }
         self.validate_capsules()?;
         self.runs.validate()?;
+        self.validate_models()?;
         if self.retention.batch_size < 1 {
             return Err(invalid("retention.batch_size", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+impl Config {
+    fn validate_models(&self) -> Result<(), ConfigError> {
+        for (name, m) in &self.models {
+            if let Err(why) = models::Endpoint::parse(&m.endpoint) {
+                return Err(invalid("models", format!("`models.{name}.endpoint`: {why}")));
+            }
+            if m.model.trim().is_empty() || m.model.len() > 200 {
+                return Err(invalid("models", format!("`models.{name}.model`: 1 to 200 characters")));
+            }
+            if m.timeout_seconds == 0 || m.timeout_seconds > 3600 {
+                return Err(invalid("models", format!("`models.{name}.timeout_seconds`: between 1 and 3600")));
+            }
+            if m.context_tokens < 256 {
+                return Err(invalid("models", format!("`models.{name}.context_tokens`: at least 256")));
+            }
+        }
+        if let Some(m) = &self.scoring.model
+            && !self.models.contains_key(m)
+        {
+            return Err(invalid("scoring.model", format!("`{m}` is not a configured model (models.{m}.*)")));
         }
         Ok(())
     }

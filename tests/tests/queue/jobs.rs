@@ -730,6 +730,69 @@ async fn an_idle_worker_is_woken_by_notify_not_by_polling(pool: PgPool) {
     run.await.unwrap().unwrap();
 }
 
+/// An idle worker polls one poll interval after it went idle, however often its running
+/// jobs finish meanwhile: a job that becomes due without a NOTIFY (here: enqueued to run
+/// later) starts while the running jobs are still finishing, not after all of them.
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn jobs_finishing_do_not_put_an_idle_workers_poll_off(pool: PgPool) {
+    let mut registry = airlock_worker::Registry::new();
+    registry.register_fn("test.sleep", |ctx| async move {
+        let ms = ctx.job.payload["ms"].as_u64().unwrap_or(0);
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        Ok(airlock_worker::Outcome::Completed)
+    });
+    registry.register_fn("test.ping", |_ctx| async move { Ok(airlock_worker::Outcome::Completed) });
+    // Seven sleepers end one every 150 ms, for a second; the poll comes every 400 ms.
+    let sleepers: Vec<NewJob> = (1..=7).map(|i| NewJob::new("test.sleep", json!({"ms": 150 * i}))).collect();
+    let mut tx = pool.begin().await.unwrap();
+    queue::enqueue_many(&mut tx, &sleepers).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut s = settings("poller", Duration::from_millis(400));
+    s.concurrency = 8;
+    s.claim_batch = 8;
+    let worker = airlock_worker::Worker::new(pool.clone(), registry, s);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(worker.run(stop.clone()));
+    airlock_tests::harness::wait_for("the sleepers to run", Duration::from_secs(30), || {
+        let pool = pool.clone();
+        async move {
+            let n: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running'").fetch_one(&pool).await.unwrap();
+            (n == 7).then_some(())
+        }
+    })
+    .await;
+    // Due in 200 ms: its NOTIFY comes now, when nothing is due yet; only a poll finds it.
+    let later = enqueue(
+        &pool,
+        NewJob::new("test.ping", json!({})).run_at(chrono::Utc::now() + chrono::TimeDelta::milliseconds(200)),
+    )
+    .await
+    .id;
+    let started = airlock_tests::harness::wait_for("the later job to run", Duration::from_secs(30), || {
+        let pool = pool.clone();
+        async move { queue::get(&pool, later).await.unwrap().attempted_at }
+    })
+    .await;
+    let last_sleeper_done: chrono::DateTime<chrono::Utc> = airlock_tests::harness::wait_for("the sleepers to end", Duration::from_secs(30), || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar("SELECT max(finished_at) FROM jobs WHERE kind = 'test.sleep' HAVING count(*) FILTER (WHERE state <> 'completed') = 0")
+                .fetch_optional(&pool)
+                .await
+                .unwrap()
+                .flatten()
+        }
+    })
+    .await;
+    assert!(
+        started < last_sleeper_done,
+        "the later job waited for every running job to finish ({started} vs {last_sleeper_done})"
+    );
+    stop.cancel();
+    run.await.unwrap().unwrap();
+}
+
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn a_quiet_enqueue_is_announced_by_the_waker_after_its_commit(pool: PgPool) {
     let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await.unwrap();

@@ -7,3 +7,4 @@
 
 mod api;
 mod crash;
+mod replay_eval;

@@ -15,7 +15,8 @@
 //!
 //! Invariants:
 //! - A worker claims only while it is neither idle (the last claim came back short: it
-//!   waits for a NOTIFY or the poll interval) nor backing off after a failed claim.
+//!   waits for a NOTIFY or the poll, due one poll interval after it went idle, however
+//!   many jobs finish meanwhile) nor backing off after a failed claim.
 //! - Completions carried by a claim that failed go to the completer, which tries them on
 //!   their own; none is dropped.
 //! - Claimed jobs are held (heartbeated) from the moment their claim returns, in the
@@ -129,6 +130,10 @@ pub(super) struct ClaimLoop {
     reserved: usize,
     /// The last claim came back short (or failed): wait for a wake-up before claiming.
     idle: bool,
+    /// While idle: when to poll, fixed when the worker went idle, so jobs finishing meanwhile
+    /// do not push the poll back (a job due without a NOTIFY — a retry's back-off, a
+    /// snooze — would otherwise wait until the running work drained).
+    poll_at: Option<tokio::time::Instant>,
     /// This turn follows a NOTIFY wake-up, for the `claims_after_notify` counter.
     woke_by_notify: bool,
     /// The pause after the next failed claim; doubles up to [`CLAIM_BACKOFF_MAX`].
@@ -149,6 +154,7 @@ impl ClaimLoop {
             claims: JoinSet::new(),
             reserved: 0,
             idle: false,
+            poll_at: None,
             woke_by_notify: false,
             db_backoff: CLAIM_BACKOFF_MIN,
             backoff_until: None,
@@ -171,6 +177,11 @@ impl ClaimLoop {
             self.woke_by_notify = false;
             let has_room = slots.running() + slots.waiting() < self.concurrency;
             let backoff = self.backoff_until;
+            let poll_at = if self.idle {
+                *self.poll_at.get_or_insert_with(|| tokio::time::Instant::now() + self.poll_interval)
+            } else {
+                tokio::time::Instant::now()
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 Some(done) = self.claims.join_next() => {
@@ -185,10 +196,14 @@ impl ClaimLoop {
                 // the rest of a back-off.
                 _ = wake.notified(), if has_room => {
                     self.idle = false;
+                    self.poll_at = None;
                     self.woke_by_notify = true;
                     self.backoff_until = None;
                 }
-                _ = tokio::time::sleep(self.poll_interval), if has_room && self.idle => { self.idle = false; }
+                _ = tokio::time::sleep_until(poll_at), if has_room && self.idle => {
+                    self.idle = false;
+                    self.poll_at = None;
+                }
                 _ = async { if let Some(t) = backoff { tokio::time::sleep_until(t).await } }, if backoff.is_some() => {
                     self.backoff_until = None;
                 }

@@ -1,5 +1,7 @@
 # syntax=docker/dockerfile:1
 # One image with the three airlock binaries; the compose service's command picks one.
+# bubblewrap isolates sandboxed tasks, slirp4netns gives tiers with a network theirs (a
+# worker that runs sandbox jobs refuses to start when it cannot isolate them).
 # Dependencies are built in their own layer (cargo-chef), so a code change rebuilds only
 # airlock's own crates.
 
@@ -19,7 +21,7 @@ RUN cargo build --release --locked --bin airlock-api --bin airlock-admin --bin a
 
 FROM debian:bookworm-slim AS runtime
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates \
+ && apt-get install -y --no-install-recommends ca-certificates bubblewrap slirp4netns \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --home-dir /var/lib/airlock --create-home airlock
 COPY --from=builder /src/target/release/airlock-api /src/target/release/airlock-admin /src/target/release/airlock-worker /usr/local/bin/

@@ -8,6 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod runs;
+mod sandbox;
 
 use anyhow::{Context, bail};
 use clap::Parser;
@@ -48,7 +49,11 @@ struct Args {
     /// pgbench binary.
     #[arg(long, default_value = "pgbench")]
     pgbench: String,
-    /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline, runs), for
+    /// No-op sandboxed runs of each kind (unisolated, bubblewrap) in the sandbox part.
+    #[arg(long, default_value_t = 300)]
+    sandbox_runs: usize,
+    /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline, runs,
+    /// sandbox), for
     /// profiling; a partial run (of parts, modes or worker counts) prints its table but
     /// writes no result file.
     #[arg(long, value_delimiter = ',')]
@@ -749,6 +754,23 @@ async fn main() -> anyhow::Result<()> {
         put(&mut results, "run_steps_per_sec", median(rates));
         put(&mut results, "run_step_p50_ms", median(p50s));
         put(&mut results, "run_step_p99_ms", median(p99s));
+    }
+    if args.wants("sandbox") {
+        eprintln!("sandboxed no-op task, start to end, {} runs of each kind", args.sandbox_runs);
+        let dir = std::env::temp_dir().join(format!("airlock-bench-sandbox-{}", uuid::Uuid::new_v4()));
+        let (plain, boxed) = sandbox::measure(args.sandbox_runs.max(1), &dir).await?;
+        eprintln!(
+            "  unisolated p50 {:.1} ms, p99 {:.1} ms; bubblewrap p50 {:.1} ms, p99 {:.1} ms",
+            plain.p(0.5),
+            plain.p(0.99),
+            boxed.p(0.5),
+            boxed.p(0.99)
+        );
+        put(&mut results, "sandbox_noop_unisolated_p50_ms", plain.p(0.5));
+        put(&mut results, "sandbox_noop_unisolated_p99_ms", plain.p(0.99));
+        put(&mut results, "sandbox_noop_bubblewrap_p50_ms", boxed.p(0.5));
+        put(&mut results, "sandbox_noop_bubblewrap_p99_ms", boxed.p(0.99));
+        put(&mut results, "sandbox_isolation_added_p99_ms", boxed.p(0.99) - plain.p(0.99));
     }
     put(&mut results, "worker_peak_rss_mib", rss_seen);
 

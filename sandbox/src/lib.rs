@@ -12,7 +12,10 @@
 //! - [`state`]: task states, modes, verdicts, and the one table of legal transitions.
 //! - [`selection`]: tier selection, a pure function of request, configuration and facts.
 //! - [`store`]: the SQL. [`service`]: the operations, one transaction each.
-//! - [`provider`]: the seam where commands run; [`local`]: the built-in provider.
+//! - [`provider`]: the seam where commands run; [`local`]: the built-in provider, which
+//!   isolates every run with [`bubblewrap`] (namespaces, a uid of its own from [`uids`],
+//!   limits read from [`procs`]) and gives tiers with a network one that cannot reach
+//!   what the worker protects ([`network`]).
 //! - [`context`]: durable context as read-only files. Secrets come by name from the
 //!   host keyring ([`airlock_core::secret::Keyring`], configured by `capsules.keyring_*`).
 //! - [`report`]: outcomes by tier and mode; over- and under-provisioned runs.
@@ -27,8 +30,11 @@
 //! effect and is simply rerun; a run is `pure` or `idempotent` (the task declares which)
 //! and is rerun by the rescuer, its lost start closed as `lost`.
 
+pub mod bubblewrap;
 pub mod context;
 pub mod local;
+pub mod network;
+pub mod procs;
 pub mod provider;
 pub mod report;
 pub mod selection;
@@ -36,6 +42,7 @@ pub mod service;
 pub mod spec;
 pub mod state;
 pub mod store;
+pub mod uids;
 pub mod view;
 
 pub use airlock_core::config::sandbox::{SandboxConfig, Tier};

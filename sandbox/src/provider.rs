@@ -4,7 +4,16 @@
 //! files, the tier's limits) and returns a [`RunOutcome`]. It holds no database handle:
 //! the `sandbox.run` job reads what it needs before and writes the outcome after, so a
 //! provider never runs inside a transaction. The built-in provider is
-//! [`super::local::LocalProvider`]; others (a VM pool, a container service) plug in here.
+//! [`super::local::LocalProvider`]; others (a VM pool, a container service, a cluster
+//! scheduler running a Kubernetes `Job` per task) plug in here.
+//!
+//! What every provider must guarantee (`docs/sandboxes.md`, "Other providers"): the
+//! command runs as an identity that is neither root nor the worker's nor another run's;
+//! it gets no environment, file, credential or network of the worker's (no network at all
+//! for a tier without one, never the database, relay, node protocol or APIs for a tier
+//! with one, and [`ProviderError::Refused`] when that cannot be ensured); the tier's
+//! limits hold and every stop is reported in `killed_for`; and once `run` returns, `cancel`
+//! fires or the future is dropped, nothing the command started is still running.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -55,6 +64,8 @@ pub enum KilledFor {
     Memory,
     Cpu,
     Disk,
+    /// More processes and threads than the tier's `max_processes`.
+    Processes,
 }
 
 impl KilledFor {
@@ -64,6 +75,7 @@ impl KilledFor {
             Self::Memory => "memory",
             Self::Cpu => "cpu",
             Self::Disk => "disk",
+            Self::Processes => "processes",
         }
     }
 }
@@ -110,6 +122,10 @@ pub enum ProviderError {
     /// The sandbox could not be prepared (directory, wrapper); worth another try.
     #[error("preparing the sandbox: {0}")]
     Setup(String),
+    /// This worker will not run the spec as it is (a tier whose network it cannot make
+    /// safe, a variable that steers how programs load): another try would be refused too.
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// Runs commands in sandboxes of a tier.

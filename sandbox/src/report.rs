@@ -1,7 +1,7 @@
 //! The review of choices: outcomes by tier and mode, and the tasks whose tier did not fit.
 //!
 //! - **Under-provisioned**: the run was stopped by a limit of its tier (timeout, memory,
-//!   CPU, disk). The suggestion is the smallest configured tier that is larger in that
+//!   CPU, disk, processes). The suggestion is the smallest configured tier that is larger in that
 //!   dimension.
 //! - **Over-provisioned**: the run was not stopped, and a configured tier with less memory
 //!   than the one it had would still have held it with headroom: its peak within
@@ -43,6 +43,7 @@ pub fn classify(tiers: &Tiers, used: &Tier, peak_rss_kib: u64, duration_ms: u64,
             "timeout" => t.timeout_seconds > used.timeout_seconds,
             "cpu" => t.cpus * t.timeout_seconds as f64 > used.cpus * used.timeout_seconds as f64,
             "disk" => t.disk_mb > used.disk_mb,
+            "processes" => t.max_processes > used.max_processes,
             _ => false,
         });
         return Fit::Under(bigger.map(|t| t.name.clone()));
@@ -208,5 +209,6 @@ mod tests {
         assert_eq!(classify(&c.tiers, &t("light"), 600_000, 5, Some("memory")), Fit::Under(Some("standard".into())));
         assert_eq!(classify(&c.tiers, &t("standard"), 1, 1, Some("timeout")), Fit::Under(Some("heavy".into())));
         assert_eq!(classify(&c.tiers, &t("heavy"), 1, 1, Some("timeout")), Fit::Under(None));
+        assert_eq!(classify(&c.tiers, &t("light"), 1, 1, Some("processes")), Fit::Under(Some("standard".into())));
     }
 }

@@ -1,7 +1,9 @@
 //! What an agent asks for, parsed: a [`TaskRequest`] that exists is well formed.
 //!
 //! Checked here, before any transaction (so bad input leaves no rows): the command's shape
-//! and size, the mode, that a requested tier exists, the effect class, variable names,
+//! and size, the mode, that a requested tier exists, the effect class, variable names
+//! (none that steers how programs load or are found: `LD_*`, `PATH`, `BASH_ENV`, …, see
+//! [`is_loader_variable`]),
 //! that no variable named like a credential carries a literal value (credentials come from
 //! the keyring by name), and the size of every field. Whether the agent *may* have the
 //! tier, the context or the secrets is not input validation: the `sandbox.select` job
@@ -12,7 +14,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 
 use super::state::{Mode, Size};
-use airlock_core::config::sandbox::{SandboxConfig, valid_env_name};
+use airlock_core::config::sandbox::{SandboxConfig, is_loader_variable, valid_env_name};
 use airlock_core::secret::looks_like_credential;
 use airlock_queue::EffectClass;
 
@@ -181,6 +183,12 @@ fn check_var_name(k: &str, field: &str) -> Result<(), String> {
     if k.starts_with("AIRLOCK_") {
         return Err(format!("{field}: names starting with AIRLOCK_ are set by the platform"));
     }
+    if is_loader_variable(k) {
+        return Err(format!(
+            "{field}: `{k}` steers how programs are loaded or found (loader, shell and runtime search paths and \
+             start-up files); the platform sets PATH and a task cannot set the others"
+        ));
+    }
     Ok(())
 }
 
@@ -233,6 +241,10 @@ mod tests {
         assert!(e(serde_json::json!({"command": ["x"], "env": {"1X": "abc"}})).starts_with("env"));
         assert!(e(serde_json::json!({"command": ["x"], "env": {"AIRLOCK_TIER": "x"}})).starts_with("env"));
         assert!(e(serde_json::json!({"command": ["x"], "secrets": ["A B"]})).starts_with("secrets"));
+        for loader in ["LD_PRELOAD", "LD_LIBRARY_PATH", "PATH", "BASH_ENV", "ENV", "IFS", "PYTHONPATH"] {
+            assert!(e(serde_json::json!({"command": ["x"], "env": {loader: "/tmp/x"}})).starts_with("env"), "{loader}");
+            assert!(e(serde_json::json!({"command": ["x"], "secrets": [loader]})).starts_with("secrets"), "{loader}");
+        }
         assert!(e(serde_json::json!({"command": ["x"], "size": "huge"})).starts_with("size"));
         assert!(serde_json::from_value::<TaskBody>(serde_json::json!({"command": ["x"], "extra": 1})).is_err());
     }

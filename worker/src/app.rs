@@ -39,7 +39,7 @@ pub fn registry_with(cfg: &Arc<Config>, worker_id: &str, webhook_secret: Option<
         Some(WebhookSender::new(secret, Duration::from_secs(cfg.delivery.webhook_timeout_seconds.max(1)))?)
     };
     r.register(SEND_JOB, SendHandler::new(cfg.clone(), worker_id.to_string(), Some(smtp), webhook));
-    crate::sandbox::register(&mut r, cfg, worker_id);
+    crate::sandbox::register(&mut r, cfg, worker_id)?;
     crate::turn::register(&mut r, cfg, None)?;
     crate::migrate::register(&mut r, cfg, worker_id)?;
     if cfg.worker.diagnostic_jobs {

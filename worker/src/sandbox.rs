@@ -12,12 +12,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use airlock_core::config::Config;
+use airlock_core::config::sandbox::Isolation;
 use airlock_core::secret::Keyring;
 use airlock_queue::{EffectClass, Rescued};
 use airlock_sandbox::SandboxError;
 use airlock_sandbox::context;
 use airlock_sandbox::local::LocalProvider;
-use airlock_sandbox::provider::{Provider, ProviderError, RunSpec};
+use airlock_sandbox::provider::{BoxFuture as ProviderFuture, Provider, ProviderError, RunOutcome, RunSpec};
 use airlock_sandbox::service::{self, RunStart};
 use airlock_sandbox::store;
 use sqlx::{Postgres, Transaction};
@@ -25,11 +26,44 @@ use uuid::Uuid;
 
 use crate::handler::{BoxFuture, Handler, HandlerError, JobContext, Outcome, Registry};
 
-/// Registers both kinds with the built-in `local` provider and the host keyring.
-pub fn register(r: &mut Registry, cfg: &Arc<Config>, worker_id: &str) {
+/// Whether this worker claims sandbox jobs (`worker.queues` empty, or naming `sandbox`).
+pub fn serves_sandbox(cfg: &Config) -> bool {
+    cfg.worker.queues.is_empty() || cfg.worker.queues.iter().any(|q| q == service::QUEUE)
+}
+
+/// Registers both kinds with the built-in `local` provider and the host keyring. A worker
+/// that runs sandbox jobs first checks that this machine isolates runs as configured, and
+/// refuses to start (the error names the cause and the setting) when it does not. A
+/// worker that does not claim them registers the kinds only for the rescuer's hooks.
+pub fn register(r: &mut Registry, cfg: &Arc<Config>, worker_id: &str) -> anyhow::Result<()> {
     let keyring = airlock_core::secret::host_keyring(&cfg.capsules);
-    let provider = Arc::new(LocalProvider::new(&cfg.sandbox.work_dir));
+    let provider: Arc<dyn Provider> = if serves_sandbox(cfg) {
+        let protected = airlock_sandbox::network::protected_endpoints(cfg);
+        let p = LocalProvider::from_config(&cfg.sandbox, protected).map_err(|e| anyhow::anyhow!("{e}"))?;
+        tracing::info!(isolation = p.isolation().as_str(), "sandbox runs ready");
+        Arc::new(p)
+    } else {
+        Arc::new(NotServed)
+    };
     register_with(r, cfg, worker_id, provider, keyring);
+    Ok(())
+}
+
+/// The provider of a worker that does not claim sandbox jobs: it never runs one.
+struct NotServed;
+
+impl Provider for NotServed {
+    fn name(&self) -> &'static str {
+        "none"
+    }
+
+    fn run(
+        &self,
+        _spec: RunSpec,
+        _cancel: tokio_util::sync::CancellationToken,
+    ) -> ProviderFuture<'static, Result<RunOutcome, ProviderError>> {
+        Box::pin(async { Err(ProviderError::Refused("this worker does not serve the sandbox queue".into())) })
+    }
 }
 
 /// Registers both kinds with a given provider and keyring.
@@ -188,6 +222,7 @@ async fn run_task(
     let outcome = match provider.run(spec, ctx.cancel.clone()).await {
         Ok(o) => o,
         Err(ProviderError::Cancelled) => return Err(HandlerError::retry("the run was cancelled")),
+        Err(ProviderError::Refused(reason)) => return Err(HandlerError::permanent(reason)),
         Err(e) => return Err(HandlerError::retry(e.to_string()).with_delay(Duration::from_secs(1))),
     };
     tracing::info!(
@@ -195,6 +230,12 @@ async fn run_task(
         peak_rss_kib = outcome.peak_rss_kib, killed_for = outcome.killed_for.map(|k| k.as_str()),
         "sandbox run ended"
     );
+    if config.sandbox.isolation == Isolation::None {
+        tracing::warn!(
+            task.id = %task_id, limits = %outcome.limits.join(","),
+            "sandbox run was not isolated (sandbox.isolation = \"none\"): it ran as this worker's user"
+        );
+    }
     // The outcome is in memory only until this commits: keep trying while the lease is held
     // (once it is lost, the rescuer reruns the task).
     loop {

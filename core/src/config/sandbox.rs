@@ -16,9 +16,19 @@
 //! - `sandbox.platform.kinds.<kind>`: the tier the platform gives a task kind;
 //!   `sandbox.platform.history_min_samples` (3) and `.history_days` (30) bound the history
 //!   rule.
+//! - `sandbox.tiers.<name>.network` (`false`: no network at all) and `.max_processes`
+//!   (light 64, standard 256, heavy 1024; 256 for a new tier): what a run may reach and
+//!   how many processes and threads it may have at once.
 //! - `sandbox.work_dir`: where run directories are made (`<temp dir>/airlock-sandbox`);
 //!   local to one host (a starting worker removes what dead workers of this host left);
 //!   `sandbox.max_output_bytes`: how much of each output stream is kept (65536).
+//! - Isolation: `sandbox.isolation` (`bubblewrap`, or `none`, which needs
+//!   `sandbox.allow_unisolated = true`), `sandbox.bwrap_path` (`/usr/bin/bwrap`),
+//!   `sandbox.uid` and `sandbox.uid_count` (the host uids runs get, one per run in
+//!   progress: 900000 and 64), `sandbox.read_only_paths` (more host directories a run may
+//!   read), `sandbox.slirp4netns_path` (`/usr/bin/slirp4netns`, for tiers with a network)
+//!   and `sandbox.protected_endpoints` (`host:port` a run with a network must not reach,
+//!   besides those the worker's own configuration names).
 //!
 //! Secret values come from the host keyring that capsules use too (`capsules.keyring_file`
 //! or the variables `capsules.keyring_env_prefix` + NAME).
@@ -31,7 +41,7 @@
 //! checked), so a [`SandboxConfig`] that exists is valid: errors name the key.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Deserializer, Serialize};
 
@@ -49,6 +59,23 @@ pub struct Tier {
     pub timeout_seconds: u64,
     /// Price of one minute, in the operator's accounting unit.
     pub cost_per_minute: f64,
+    /// Whether a run has a network. Without one it has only a loopback of its own; with
+    /// one it still never reaches the worker's database, relay, node protocol or APIs.
+    /// (Snapshots of decisions made before the key existed read as `false`.)
+    #[serde(default)]
+    pub network: bool,
+    /// Processes and threads a run may have at once; one more stops it
+    /// (`killed_for: "processes"`).
+    #[serde(default = "default_max_processes")]
+    pub max_processes: u32,
+}
+
+/// `max_processes` of a tier that does not set it, and of decisions snapshotted before
+/// the key existed.
+pub const DEFAULT_MAX_PROCESSES: u32 = 256;
+
+fn default_max_processes() -> u32 {
+    DEFAULT_MAX_PROCESSES
 }
 
 impl Tier {
@@ -132,6 +159,64 @@ pub struct PlatformRules {
     pub history_days: u32,
 }
 
+/// How runs are kept apart from the worker that runs them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Isolation {
+    /// Every run in its own user, PID, mount, IPC, UTS and network namespaces, as a uid
+    /// of its own (Debian's `bubblewrap`).
+    Bubblewrap,
+    /// The run shares the worker's user, files and network: development only, and only
+    /// with `sandbox.allow_unisolated = true`.
+    None,
+}
+
+impl Isolation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Isolation::Bubblewrap => "bubblewrap",
+            Isolation::None => "none",
+        }
+    }
+}
+
+/// A `host:port` a run with a network must not reach.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// A name or an address (IPv6 without brackets).
+    pub host: String,
+    pub port: u16,
+}
+
+impl Endpoint {
+    /// `host:port` or `[v6]:port`.
+    pub fn parse(s: &str) -> Option<Self> {
+        let s = s.trim();
+        let (host, port) = match s.strip_prefix('[') {
+            Some(rest) => {
+                let (h, p) = rest.split_once("]:")?;
+                (h, p)
+            }
+            None => s.rsplit_once(':')?,
+        };
+        let port: u16 = port.parse().ok()?;
+        let valid_host = !host.is_empty()
+            && host.len() <= 253
+            && host.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '_'));
+        (valid_host && port > 0).then(|| Endpoint { host: host.to_string(), port })
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
 /// The resolved `sandbox` section.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(try_from = "RawSandbox")]
@@ -146,6 +231,22 @@ pub struct SandboxConfig {
     pub platform: PlatformRules,
     pub work_dir: PathBuf,
     pub max_output_bytes: usize,
+    /// How runs are isolated; `None` only with `allow_unisolated`.
+    pub isolation: Isolation,
+    pub allow_unisolated: bool,
+    /// The bubblewrap binary (absolute: never looked up on a PATH).
+    pub bwrap_path: PathBuf,
+    /// The user-mode network stack that gives a tier with `network` its network.
+    pub slirp4netns_path: PathBuf,
+    /// The first host uid runs get; each run in progress on a host takes one of
+    /// `uid .. uid + uid_count` for itself (its gid is the same number).
+    pub uid: u32,
+    pub uid_count: u32,
+    /// Host directories a run may read, besides the system's own (`/usr`, parts of `/etc`).
+    pub read_only_paths: Vec<PathBuf>,
+    /// Endpoints a run with a network must not reach, besides those the worker's own
+    /// configuration names (database, relay, nodes, APIs).
+    pub protected_endpoints: Vec<Endpoint>,
 }
 
 impl Default for SandboxConfig {
@@ -178,6 +279,8 @@ struct RawTier {
     disk_mb: Option<u64>,
     timeout_seconds: Option<u64>,
     cost_per_minute: Option<f64>,
+    network: Option<bool>,
+    max_processes: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -222,6 +325,16 @@ struct RawSandbox {
     max_output_bytes: usize,
     /// Per-agent defaults for agents without an entry.
     quota_minutes_per_day: u64,
+    isolation: Isolation,
+    allow_unisolated: bool,
+    bwrap_path: String,
+    slirp4netns_path: String,
+    uid: u32,
+    uid_count: u32,
+    #[serde(deserialize_with = "de_list")]
+    read_only_paths: Vec<String>,
+    #[serde(deserialize_with = "de_list")]
+    protected_endpoints: Vec<String>,
 }
 
 impl Default for RawSandbox {
@@ -236,24 +349,44 @@ impl Default for RawSandbox {
             work_dir: None,
             max_output_bytes: 64 * 1024,
             quota_minutes_per_day: 0,
+            isolation: Isolation::Bubblewrap,
+            allow_unisolated: false,
+            bwrap_path: "/usr/bin/bwrap".into(),
+            slirp4netns_path: "/usr/bin/slirp4netns".into(),
+            uid: DEFAULT_UID,
+            uid_count: 64,
+            read_only_paths: Vec::new(),
+            protected_endpoints: Vec::new(),
         }
     }
 }
 
+/// The first uid of the range runs get by default: above the usual account and
+/// sub-uid ranges (`/etc/subuid` starts at 100000 and grows by 65536 per user).
+pub const DEFAULT_UID: u32 = 900_000;
+
 /// The built-in tiers.
 fn builtin_tiers() -> Vec<Tier> {
-    let t = |name: &str, cpus: f64, memory_mb: u64, disk_mb: u64, timeout_seconds: u64, cost_per_minute: f64| Tier {
+    let t = |name: &str,
+             cpus: f64,
+             memory_mb: u64,
+             disk_mb: u64,
+             timeout_seconds: u64,
+             cost_per_minute: f64,
+             max_processes: u32| Tier {
         name: name.into(),
         cpus,
         memory_mb,
         disk_mb,
         timeout_seconds,
         cost_per_minute,
+        network: false,
+        max_processes,
     };
     vec![
-        t("light", 1.0, 512, 1024, 300, 0.01),
-        t("standard", 2.0, 2048, 10 * 1024, 1800, 0.04),
-        t("heavy", 4.0, 8192, 50 * 1024, 7200, 0.16),
+        t("light", 1.0, 512, 1024, 300, 0.01, 64),
+        t("standard", 2.0, 2048, 10 * 1024, 1800, 0.04, 256),
+        t("heavy", 4.0, 8192, 50 * 1024, 7200, 0.16, 1024),
     ]
 }
 
@@ -273,6 +406,7 @@ impl TryFrom<RawSandbox> for SandboxConfig {
     type Error = String;
 
     fn try_from(raw: RawSandbox) -> Result<Self, String> {
+        let isolation = check_isolation(&raw)?;
         let mut tiers = builtin_tiers();
         for (name, o) in &raw.tiers {
             let key = |field: &str| format!("sandbox.tiers.{name}.{field}");
@@ -291,6 +425,8 @@ impl TryFrom<RawSandbox> for SandboxConfig {
                         disk_mb: 1024,
                         timeout_seconds: required(o.timeout_seconds, &key("timeout_seconds"))?,
                         cost_per_minute: required(o.cost_per_minute, &key("cost_per_minute"))?,
+                        network: false,
+                        max_processes: DEFAULT_MAX_PROCESSES,
                     });
                     tiers.last_mut().ok_or("unreachable")?
                 }
@@ -310,6 +446,12 @@ impl TryFrom<RawSandbox> for SandboxConfig {
             if let Some(v) = o.cost_per_minute {
                 tier.cost_per_minute = v;
             }
+            if let Some(v) = o.network {
+                tier.network = v;
+            }
+            if let Some(v) = o.max_processes {
+                tier.max_processes = v;
+            }
         }
         for t in &tiers {
             let key = |field: &str| format!("sandbox.tiers.{}.{field}", t.name);
@@ -327,6 +469,9 @@ impl TryFrom<RawSandbox> for SandboxConfig {
             }
             if !(t.cost_per_minute.is_finite() && t.cost_per_minute >= 0.0) {
                 return Err(format!("{}: must be 0 or more", key("cost_per_minute")));
+            }
+            if !(1..=MAX_PROCESSES_CEILING).contains(&t.max_processes) {
+                return Err(format!("{}: must be between 1 and {MAX_PROCESSES_CEILING}", key("max_processes")));
             }
         }
         let tiers = Tiers::new(tiers);
@@ -375,6 +520,12 @@ impl TryFrom<RawSandbox> for SandboxConfig {
                 if !valid_env_name(s) {
                     return Err(format!("{}: `{s}` is not a variable name", key("secrets")));
                 }
+                if is_loader_variable(s) {
+                    return Err(format!(
+                        "{}: `{s}` steers how programs are loaded or found; a task cannot receive it",
+                        key("secrets")
+                    ));
+                }
             }
             agents.insert(
                 agent,
@@ -388,6 +539,19 @@ impl TryFrom<RawSandbox> for SandboxConfig {
             );
         }
         Ok(SandboxConfig {
+            isolation,
+            allow_unisolated: raw.allow_unisolated,
+            bwrap_path: PathBuf::from(&raw.bwrap_path),
+            slirp4netns_path: PathBuf::from(&raw.slirp4netns_path),
+            uid: raw.uid,
+            uid_count: raw.uid_count,
+            read_only_paths: raw.read_only_paths.iter().map(PathBuf::from).collect(),
+            protected_endpoints: raw
+                .protected_endpoints
+                .iter()
+                .map(|e| Endpoint::parse(e))
+                .collect::<Option<Vec<_>>>()
+                .ok_or("sandbox.protected_endpoints: each entry is `host:port` (`[v6]:port` for an IPv6 address)")?,
             tiers,
             default_tier: raw.default_tier,
             allowed_tiers: raw.allowed_tiers,
@@ -403,6 +567,83 @@ impl TryFrom<RawSandbox> for SandboxConfig {
             max_output_bytes: raw.max_output_bytes,
         })
     }
+}
+
+/// The most `max_processes` a tier may allow.
+pub const MAX_PROCESSES_CEILING: u32 = 100_000;
+
+/// The isolation settings, checked: `none` only when allowed, absolute binaries, a uid
+/// range clear of root, the overflow uid and the 32-bit edge, absolute read-only paths.
+fn check_isolation(raw: &RawSandbox) -> Result<Isolation, String> {
+    if raw.isolation == Isolation::None && !raw.allow_unisolated {
+        return Err("sandbox.isolation: `none` runs tasks as the worker's own user, with its files, processes and \
+                    network; it needs sandbox.allow_unisolated = true (development only)"
+            .into());
+    }
+    for (key, path) in [("sandbox.bwrap_path", &raw.bwrap_path), ("sandbox.slirp4netns_path", &raw.slirp4netns_path)] {
+        if !Path::new(path).is_absolute() {
+            return Err(format!("{key}: must be an absolute path (a program is never looked up on a PATH)"));
+        }
+    }
+    if !(1..=65_536).contains(&raw.uid_count) {
+        return Err("sandbox.uid_count: must be between 1 and 65536".into());
+    }
+    if raw.uid < 1000 {
+        return Err("sandbox.uid: must be at least 1000 (system accounts live below it)".into());
+    }
+    let last = u64::from(raw.uid) + u64::from(raw.uid_count) - 1;
+    if last > 4_294_967_293 {
+        return Err(
+            "sandbox.uid: the range sandbox.uid .. sandbox.uid + sandbox.uid_count must end below 4294967294".into()
+        );
+    }
+    if (u64::from(raw.uid)..=last).contains(&65_534) {
+        return Err("sandbox.uid: the range must not contain 65534, the overflow uid (`nobody`)".into());
+    }
+    for p in &raw.read_only_paths {
+        let path = Path::new(p);
+        if !path.is_absolute()
+            || path.components().any(|c| matches!(c, std::path::Component::ParentDir))
+            || path == Path::new("/")
+        {
+            return Err(format!("sandbox.read_only_paths: `{p}` must be an absolute path below `/`, without `..`"));
+        }
+    }
+    Ok(raw.isolation)
+}
+
+/// Variables that steer how programs are loaded, found or started: the dynamic loader's
+/// (`LD_*`), the C library's (`GLIBC_TUNABLES`, `GCONV_PATH`, …), the shells' (`PATH`,
+/// `BASH_ENV`, `ENV`, `IFS`, …) and language runtimes' (`PYTHON*`, `PERL*`, `RUBY*`,
+/// `NODE_OPTIONS`, `JAVA_TOOL_OPTIONS`, …). A task gets a fixed `PATH` and none of the
+/// others from an agent: the command is the agent's to choose, how programs load is not.
+pub fn is_loader_variable(name: &str) -> bool {
+    const EXACT: &[&str] = &[
+        "PATH",
+        "BASH_ENV",
+        "ENV",
+        "IFS",
+        "CDPATH",
+        "SHELLOPTS",
+        "BASHOPTS",
+        "PS4",
+        "PROMPT_COMMAND",
+        "GLOBIGNORE",
+        "GLIBC_TUNABLES",
+        "GCONV_PATH",
+        "LOCPATH",
+        "NLSPATH",
+        "HOSTALIASES",
+        "RESOLV_HOST_CONF",
+        "TZDIR",
+        "NODE_OPTIONS",
+        "NODE_PATH",
+        "JAVA_TOOL_OPTIONS",
+        "_JAVA_OPTIONS",
+        "JDK_JAVA_OPTIONS",
+    ];
+    const PREFIXES: &[&str] = &["LD_", "BASH_FUNC_", "MALLOC_", "PYTHON", "PERL", "RUBY"];
+    EXACT.contains(&name) || PREFIXES.iter().any(|p| name.starts_with(p))
 }
 
 /// An environment variable name: `[A-Za-z_][A-Za-z0-9_]*`, at most 128 bytes.
@@ -499,5 +740,86 @@ mod tests {
         assert!(e("AIRLOCK__SANDBOX__ALLOWED_TIERS", "light,nope").contains("sandbox.allowed_tiers"));
         assert!(e("AIRLOCK__SANDBOX__TIERS__LIGHT__MEMORY", "1").contains("memory"));
         assert!(e("AIRLOCK__SANDBOX__PLATFORM__KINDS__BUILD", "nope").contains("sandbox.platform.kinds.build"));
+        assert!(e("AIRLOCK__SANDBOX__TIERS__LIGHT__MAX_PROCESSES", "0").contains("sandbox.tiers.light.max_processes"));
+        assert!(e("AIRLOCK__SANDBOX__TIERS__LIGHT__NETWORK", "maybe").contains("network"));
+        assert!(e("AIRLOCK__SANDBOX__ISOLATION", "chroot").contains("isolation"));
+        assert!(e("AIRLOCK__SANDBOX__BWRAP_PATH", "bwrap").contains("sandbox.bwrap_path"));
+        assert!(e("AIRLOCK__SANDBOX__SLIRP4NETNS_PATH", "slirp4netns").contains("sandbox.slirp4netns_path"));
+        assert!(e("AIRLOCK__SANDBOX__UID", "0").contains("sandbox.uid"));
+        assert!(e("AIRLOCK__SANDBOX__UID", "65500").contains("sandbox.uid"), "the range holds 65534");
+        assert!(e("AIRLOCK__SANDBOX__UID", "4294967290").contains("sandbox.uid"));
+        assert!(e("AIRLOCK__SANDBOX__UID_COUNT", "0").contains("sandbox.uid_count"));
+        assert!(e("AIRLOCK__SANDBOX__READ_ONLY_PATHS", "/opt,relative").contains("sandbox.read_only_paths"));
+        assert!(e("AIRLOCK__SANDBOX__READ_ONLY_PATHS", "/opt/../etc").contains("sandbox.read_only_paths"));
+        assert!(e("AIRLOCK__SANDBOX__PROTECTED_ENDPOINTS", "db.internal").contains("sandbox.protected_endpoints"));
+        assert!(
+            e("AIRLOCK__SANDBOX__AGENTS__A__SECRETS", "LD_PRELOAD").contains("sandbox.agents.a.secrets"),
+            "a secret named like a loader setting would reach the task's loader"
+        );
+    }
+
+    #[test]
+    fn isolation_is_bubblewrap_unless_unisolated_runs_are_allowed() {
+        use super::{Endpoint, Isolation};
+        let c = load(&[]).unwrap();
+        let s = &c.sandbox;
+        assert_eq!(s.isolation, Isolation::Bubblewrap);
+        assert!(!s.allow_unisolated);
+        assert_eq!(s.bwrap_path.to_str(), Some("/usr/bin/bwrap"));
+        assert_eq!((s.uid, s.uid_count), (900_000, 64));
+        let limits: Vec<(bool, u32)> = s.tiers.iter().map(|t| (t.network, t.max_processes)).collect();
+        assert_eq!(limits, vec![(false, 64), (false, 256), (false, 1024)]);
+
+        let refused = load(&[("AIRLOCK__SANDBOX__ISOLATION", "none")]).unwrap_err();
+        assert!(refused.contains("sandbox.isolation") && refused.contains("sandbox.allow_unisolated"), "{refused}");
+        let c =
+            load(&[("AIRLOCK__SANDBOX__ISOLATION", "none"), ("AIRLOCK__SANDBOX__ALLOW_UNISOLATED", "true")]).unwrap();
+        assert_eq!(c.sandbox.isolation, Isolation::None);
+
+        let c = load(&[
+            ("AIRLOCK__SANDBOX__TIERS__LIGHT__NETWORK", "true"),
+            ("AIRLOCK__SANDBOX__TIERS__LIGHT__MAX_PROCESSES", "16"),
+            ("AIRLOCK__SANDBOX__PROTECTED_ENDPOINTS", "api:7070, [::1]:7071"),
+            ("AIRLOCK__SANDBOX__READ_ONLY_PATHS", "/opt/toolchain"),
+        ])
+        .unwrap();
+        let light = c.sandbox.tiers.get("light").unwrap();
+        assert_eq!((light.network, light.max_processes), (true, 16));
+        assert_eq!(
+            c.sandbox.protected_endpoints,
+            vec![Endpoint { host: "api".into(), port: 7070 }, Endpoint { host: "::1".into(), port: 7071 }]
+        );
+        assert_eq!(c.sandbox.protected_endpoints[1].to_string(), "[::1]:7071");
+        assert_eq!(c.sandbox.read_only_paths, vec![std::path::PathBuf::from("/opt/toolchain")]);
+    }
+
+    #[test]
+    fn loader_variables() {
+        use super::is_loader_variable;
+        for v in [
+            "LD_PRELOAD",
+            "LD_LIBRARY_PATH",
+            "PATH",
+            "BASH_ENV",
+            "ENV",
+            "IFS",
+            "PYTHONPATH",
+            "PERL5LIB",
+            "GLIBC_TUNABLES",
+            "NODE_OPTIONS",
+        ] {
+            assert!(is_loader_variable(v), "{v}");
+        }
+        for v in ["CI", "GREETING", "LANG", "path_hint", "MY_PATH"] {
+            assert!(!is_loader_variable(v), "{v}");
+        }
+    }
+
+    #[test]
+    fn a_decision_snapshotted_before_the_isolation_keys_still_reads() {
+        let old = serde_json::json!({"name": "light", "cpus": 1.0, "memory_mb": 512, "disk_mb": 1024,
+                                     "timeout_seconds": 300, "cost_per_minute": 0.01});
+        let t: super::Tier = serde_json::from_value(old).unwrap();
+        assert_eq!((t.network, t.max_processes), (false, super::DEFAULT_MAX_PROCESSES));
     }
 }

@@ -116,7 +116,7 @@ fn the_compose_file_names_every_service_and_valid_configuration() {
     let docs = YamlLoader::load_from_str(&text).unwrap();
     let doc = &docs[0];
     let shared = &doc["x-airlock-env"];
-    for name in ["postgres", "migrate", "api", "admin", "worker", "mailpit"] {
+    for name in ["postgres", "migrate", "api", "admin", "worker", "sandbox-worker", "mailpit"] {
         service(doc, name);
     }
     let worker = service(doc, "worker");
@@ -124,7 +124,7 @@ fn the_compose_file_names_every_service_and_valid_configuration() {
     assert!(worker["ports"].is_badvalue(), "a scalable worker publishes no host port");
     assert_eq!(service(doc, "migrate")["command"][1].as_str(), Some("migrate"));
     assert_eq!(service(doc, "admin")["command"][1].as_str(), Some("serve"));
-    for name in ["api", "admin", "worker"] {
+    for name in ["api", "admin", "worker", "sandbox-worker"] {
         let s = service(doc, name);
         assert_eq!(
             s["depends_on"]["migrate"]["condition"].as_str(),
@@ -144,7 +144,54 @@ fn the_compose_file_names_every_service_and_valid_configuration() {
     let get = |k: &str| worker_env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
     assert_eq!(get("AIRLOCK__SMTP__TLS").as_deref(), Some("required"), "TLS even in the compose fleet");
 
+    // Sandboxed tasks run on a pool of their own, which holds none of the senders' secrets.
+    assert!(
+        get("AIRLOCK__WORKER__QUEUES").is_some_and(|q| !q.split(',').any(|q| q.trim() == "sandbox")),
+        "{worker_env:?}"
+    );
+    let sandbox = service(doc, "sandbox-worker");
+    let sandbox_env = env_of(sandbox, shared);
+    let sget = |k: &str| sandbox_env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    assert_eq!(
+        sget("AIRLOCK__WORKER__QUEUES").as_deref(),
+        Some("sandbox"),
+        "the sandbox pool claims only sandbox jobs"
+    );
+    for (k, _) in &sandbox_env {
+        let upper = k.to_ascii_uppercase();
+        assert!(
+            !(upper.starts_with("AIRLOCK__SMTP__")
+                || upper.contains("WEBHOOK")
+                || upper.contains("SIGNING")
+                || upper.contains("PASSWORD")
+                || upper.contains("FLEET_SECRET")
+                || upper.starts_with("AIRLOCK_SECRET_")),
+            "the sandbox pool is given a sender's setting or secret: {k}"
+        );
+    }
+    assert!(sandbox["volumes"].is_badvalue(), "the sandbox pool mounts nothing of the senders' (certificates, keys)");
+    assert_ne!(sget("AIRLOCK__SANDBOX__ISOLATION").as_deref(), Some("none"));
+    let cfg = airlock_core::config::Config::from_sources(None, &sandbox_env).unwrap();
+    assert_eq!(cfg.sandbox.isolation, airlock_core::config::sandbox::Isolation::Bubblewrap);
+    assert!(!cfg.sandbox.protected_endpoints.is_empty(), "the pool names the services its tasks must not reach");
+    // What bubblewrap needs in a container, and no more: no privileged container.
+    assert_ne!(sandbox["privileged"].as_bool(), Some(true));
+    let list = |y: &Yaml| -> Vec<String> {
+        y.as_vec().map(|v| v.iter().filter_map(|x| x.as_str().map(str::to_string)).collect()).unwrap_or_default()
+    };
+    assert_eq!(list(&sandbox["cap_drop"]), ["ALL"]);
+    let caps = list(&sandbox["cap_add"]);
+    assert!(caps.contains(&"SETUID".into()) && caps.contains(&"SETGID".into()), "{caps:?}");
+    assert!(!caps.iter().any(|c| c == "SYS_ADMIN" || c == "ALL"), "{caps:?}");
+    let opts = list(&sandbox["security_opt"]);
+    for needed in ["seccomp=", "apparmor=", "systempaths=unconfined"] {
+        assert!(opts.iter().any(|o| o.starts_with(needed)), "security_opt lacks {needed}: {opts:?}");
+    }
+
     let dockerfile = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../Dockerfile")).unwrap();
+    for package in ["bubblewrap", "slirp4netns"] {
+        assert!(dockerfile.contains(package), "the image installs {package}");
+    }
     assert!(dockerfile.contains("USER 10001"), "runs as a non-root user");
     assert!(dockerfile.contains("HEALTHCHECK"));
     for bin in ["airlock-api", "airlock-admin", "airlock-worker"] {

@@ -335,9 +335,12 @@ async fn a_run_over_its_tier_memory_or_time_is_stopped_recorded_and_not_retried(
     .await;
     let (stop, worker) = app.start_worker("w-limits");
 
+    // Processes of this test only carry its marker: a `sleep` of a duration no other test
+    // uses (so another suite's sleeps running beside it are never counted).
+    let nap = format!("30.{}", Uuid::new_v4().as_u128() % 1_000_000_000);
     let slow = create(
         &app,
-        json!({"command": ["sh", "-c", "sleep 30 & sleep 30"], "mode": "agent", "requested_tier": "brief"}),
+        json!({"command": ["sh", "-c", format!("sleep {nap} & sleep {nap}")], "mode": "agent", "requested_tier": "brief"}),
     )
     .await;
     let hungry = create(
@@ -386,10 +389,9 @@ async fn a_run_over_its_tier_memory_or_time_is_stopped_recorded_and_not_retried(
     worker.await.unwrap().unwrap();
     assert_invariants(&app.pool).await;
     assert_clean(&dir);
-    // The killed runs left no process behind.
-    let ps =
-        std::process::Command::new("sh").args(["-c", "ps -eo args | grep -c '^sleep 30$' || true"]).output().unwrap();
-    assert_eq!(String::from_utf8_lossy(&ps.stdout).trim(), "0", "a killed run's process survived");
+    // The killed runs left no process behind: their sandboxes' PID namespaces are gone.
+    let left = crate::support::processes_with(&format!("sleep\0{nap}"));
+    assert!(left.is_empty(), "a killed run's process survived: {left:?}");
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
@@ -416,6 +418,11 @@ async fn bad_input_leaves_no_rows_and_scopes_decide_context_and_secrets(pool: Pg
         json!({"command": ["true"], "env": {"API_TOKEN": "literal"}}),
         json!({"command": ["true"], "env": {"AIRLOCK_TIER": "x"}}),
         json!({"command": ["true"], "secrets": ["not a name"]}),
+        // Nothing that steers how programs load or are found, as a literal or a secret.
+        json!({"command": ["true"], "env": {"LD_PRELOAD": "/task/evil.so"}}),
+        json!({"command": ["true"], "env": {"PATH": "/task/bin"}}),
+        json!({"command": ["true"], "env": {"BASH_ENV": "/task/rc"}}),
+        json!({"command": ["true"], "secrets": ["LD_LIBRARY_PATH"]}),
         json!({"command": ["true"], "size": "huge"}),
         json!({"command": ["true"], "surprise": 1}),
         json!({"command": "true"}),

@@ -68,33 +68,34 @@ async fn selection_survives_a_worker_sigkill(pool: PgPool) {
 async fn a_run_survives_a_worker_sigkill_and_its_command_dies_with_the_worker(pool: PgPool) {
     let work_dir = std::env::temp_dir().join(format!("airlock-sandbox-test-{}", Uuid::new_v4())).display().to_string();
     let app = TestApp::start(pool, &[("AIRLOCK__SANDBOX__WORK_DIR", work_dir.as_str())]).await;
-    let marker_dir = std::env::temp_dir().join(format!("airlock-marker-{}", Uuid::new_v4()));
-    std::fs::create_dir_all(&marker_dir).unwrap();
-    let marker = marker_dir.join("log");
-    let marker_s = marker.display().to_string();
+    // The run is isolated: the host sees it only through its run directory (`/task` inside)
+    // and its processes, which carry a marker of this test in their arguments.
+    let marker = format!("airlock-run-{}", Uuid::new_v4());
     let mut first = spawn_worker(&app, &[]);
     let id = create(
         &app,
-        json!({"command": ["sh", "-c", "echo \"start $AIRLOCK_RUN $AIRLOCK_IDEMPOTENCY_KEY\" >> \"$MARKER\"; sleep 2; echo end >> \"$MARKER\""],
-               "mode": "agent", "requested_tier": "light", "effect": "idempotent", "env": {"MARKER": marker_s}}),
+        json!({"command": ["sh", "-c", "echo \"start $AIRLOCK_RUN $AIRLOCK_IDEMPOTENCY_KEY\"; : > started; sleep 2; echo end", marker],
+               "mode": "agent", "requested_tier": "light", "effect": "idempotent"}),
     )
     .await;
     harness::wait_for("the first run to start", WAIT, || {
-        let marker = marker.clone();
-        async move { std::fs::read_to_string(&marker).ok().filter(|s| s.starts_with("start")).map(|_| ()) }
+        let work_dir = work_dir.clone();
+        async move { run_files(&work_dir, "started").first().map(|_| ()) }
     })
     .await;
+    assert!(!crate::support::processes_with(&marker).is_empty(), "the first run is seen running");
     kill(&mut first);
+    // The worker's death takes the whole sandbox with it, without waiting for anyone.
+    harness::wait_for("the first run's processes to die with their worker", Duration::from_secs(5), || {
+        let marker = marker.clone();
+        async move { crate::support::processes_with(&marker).is_empty().then_some(()) }
+    })
+    .await;
 
     // The idempotent run job is rescued after its lease expires and run again elsewhere.
     let _second = spawn_worker(&app, &[]);
     let v = wait_state(&app, id, TaskState::Succeeded).await;
-    let log = std::fs::read_to_string(&marker).unwrap();
-    assert_eq!(
-        log,
-        format!("start 1 {id}\nstart 2 {id}\nend\n"),
-        "two starts with the same idempotency key; the first run died with its worker, so only one end"
-    );
+    assert_eq!(v["output"]["stdout"], format!("start 2 {id}\nend\n"), "the rerun carries the same idempotency key");
     assert_eq!(v["run_count"], 2);
     assert_eq!(v["outcome"]["exit_code"], 0);
     let runs = store::runs_of(&app.pool, id).await.unwrap();
@@ -107,8 +108,19 @@ async fn a_run_survives_a_worker_sigkill_and_its_command_dies_with_the_worker(po
     assert_invariants(&app.pool).await;
     // The killed worker's run directory was removed by the next worker on this host.
     crate::support::assert_no_run_dirs(&work_dir);
-    let _ = std::fs::remove_dir_all(marker_dir);
     let _ = std::fs::remove_dir_all(work_dir);
+}
+
+/// Files named `name` in the working directories of the runs under a work directory.
+fn run_files(work_dir: &str, name: &str) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(work_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|worker| std::fs::read_dir(worker.path()).into_iter().flatten().flatten())
+        .map(|run| run.path().join("work").join(name))
+        .filter(|p| p.exists())
+        .collect()
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]

@@ -110,3 +110,16 @@ pub fn assert_no_run_dirs(work_dir: &str) {
         .collect();
     assert!(runs.is_empty(), "run directories left behind: {runs:?}");
 }
+
+/// Host processes whose command line contains `marker`.
+pub fn processes_with(marker: &str) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| String::from_utf8_lossy(&c).contains(marker))
+        })
+        .collect()
+}

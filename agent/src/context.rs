@@ -143,11 +143,18 @@ pub struct Rendered {
 }
 
 /// Renders the journal for `model`: the system prompt first, then the newest events that
-/// fit `window_tokens`; reasoning of other models dropped; a switch of model noted.
-pub fn render_for(journal: &Journal, model: &str, system: &str, window_tokens: usize) -> Rendered {
+/// fit `window_tokens`; reasoning of other models dropped. The turn's input (the first
+/// event of `machine`, the turn's chain) is pinned like the system prompt: never cut, in
+/// its place before the turn's rounds.
+pub fn render_for(journal: &Journal, model: &str, system: &str, window_tokens: usize, machine: &str) -> Rendered {
+    let mut input: Option<journal::Event> = None;
     let events: Vec<journal::Event> = journal
         .events()
         .filter_map(|e| match e.kind {
+            _ if e.machine == machine && e.seq == 1 => {
+                input = Some(e.clone());
+                None
+            }
             // The renderer shows reasoning to the provider that wrote it: here, the model.
             EventKind::Reasoning => (e.data.get("provider").and_then(Value::as_str) == Some(model)).then(|| {
                 let mut e = e.clone();
@@ -157,8 +164,12 @@ pub fn render_for(journal: &Journal, model: &str, system: &str, window_tokens: u
             _ => Some(e.clone()),
         })
         .collect();
-    let system_tokens = system.len().div_ceil(4) + 8;
-    let fitted = render::fit(&events, window_tokens.saturating_sub(system_tokens));
+    let pinned = system.len().div_ceil(4) + 8 + input.as_ref().map_or(0, render::estimate_tokens);
+    let mut fitted = render::fit(&events, window_tokens.saturating_sub(pinned));
+    if let Some(input) = input {
+        let at = fitted.events.iter().position(|e| e.machine == machine).unwrap_or(fitted.events.len());
+        fitted.events.insert(at, input);
+    }
     let mut messages = vec![json!({"role": "system", "content": system})];
     messages.extend(render::render_openai(&fitted.events, fitted.digest.as_deref()));
     Rendered { messages, cut: fitted.cut }
@@ -190,7 +201,7 @@ mod tests {
         let mut j = Journal::new();
         let lines = append(&mut j, turn, &t);
         assert_eq!(lines.len(), 4);
-        let r = render_for(&j, "m", "system", 10_000);
+        let r = render_for(&j, "m", "system", 10_000, "none");
         let tool = r.messages.iter().find(|m| m["role"] == "tool").unwrap();
         let content: Value = serde_json::from_str(tool["content"].as_str().unwrap()).unwrap();
         assert_eq!(content["trust"], "UNTRUSTED_DATA");
@@ -201,6 +212,26 @@ mod tests {
     }
 
     #[test]
+    fn the_turns_input_is_never_cut_and_the_newest_rounds_are_kept() {
+        let turn = TurnId::new();
+        let mut t = Transcript::default();
+        t.user("THE TASK", "2026-01-01T00:00:00Z");
+        for i in 0..40 {
+            t.assistant("m", &format!("answer {i} {}", "x".repeat(200)), None, "2026-01-01T00:00:01Z");
+            t.user(&format!("question {i}"), "2026-01-01T00:00:01Z");
+        }
+        let mut j = Journal::new();
+        append(&mut j, turn, &t);
+        let r = render_for(&j, "m", "sys", 600, &machine(turn));
+        assert!(r.cut > 0);
+        let text = serde_json::to_string(&r.messages).unwrap();
+        assert!(text.contains("THE TASK") && text.contains("answer 39") && !text.contains("answer 0 "), "{text}");
+        // The input comes right after the system prompt (and the digest of what was cut).
+        let first_user = r.messages.iter().position(|m| m["role"] == "user").unwrap();
+        assert_eq!(r.messages[first_user]["content"], "THE TASK");
+    }
+
+    #[test]
     fn another_models_reasoning_is_dropped_and_a_dangling_call_is_closed() {
         let mut t = Transcript::default();
         t.user("q", "2026-01-01T00:00:00Z");
@@ -208,11 +239,11 @@ mod tests {
         t.call("c1", "x", &json!({}), "2026-01-01T00:00:01Z");
         let mut j = Journal::new();
         append(&mut j, TurnId::new(), &t);
-        let for_small = render_for(&j, "small", "sys", 10_000);
+        let for_small = render_for(&j, "small", "sys", 10_000, "none");
         let text = serde_json::to_string(&for_small.messages).unwrap();
         assert!(!text.contains("private thoughts"), "{text}");
         assert!(text.contains(render::MISSING_RESULT), "{text}");
-        let for_big = render_for(&j, "big", "sys", 10_000);
+        let for_big = render_for(&j, "big", "sys", 10_000, "none");
         assert!(serde_json::to_string(&for_big.messages).unwrap().contains("private thoughts of big"));
     }
 }

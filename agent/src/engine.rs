@@ -335,7 +335,7 @@ impl Engine {
         }
         let limits = d.turn.limits.0;
         let window = ((model.context_tokens as usize) * 3 / 4).min(limits.max_context_bytes / 4);
-        let rendered = context::render_for(&d.journal, &d.turn.model, &d.prompt, window);
+        let rendered = context::render_for(&d.journal, &d.turn.model, &d.prompt, window, &context::machine(d.turn.id));
         let schema =
             (model.structured_output != StructuredOutput::None).then(|| self.catalogue.action_schema(&d.turn.tools));
         let body = provider.request(&rendered.messages, schema.as_ref());

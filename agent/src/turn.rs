@@ -289,7 +289,8 @@ fn check_deliver(d: &Value, cfg: &Config) -> Result<Value, TurnError> {
         return Err(invalid(format!("email.{k}: unknown field (the body is the turn's final text)")));
     }
     let email = Value::Object(email.clone());
-    final_artifact(&email, "x", cfg).map_err(|e| invalid(e.to_string()))?;
+    let artifact = final_artifact(&email, "x", cfg).map_err(|e| invalid(e.to_string()))?;
+    airlock_delivery::pipeline::check_policy(cfg, &artifact).map_err(|e| invalid(e.to_string()))?;
     Ok(json!({"channel": "email", "email": email}))
 }
 

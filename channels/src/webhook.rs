@@ -88,3 +88,46 @@ impl WebhookSender {
         }
     }
 }
+
+/// Most bytes of a declared tool's answer that are read.
+pub const MAX_TOOL_REPLY_BYTES: usize = 1024 * 1024;
+
+impl WebhookSender {
+    /// Calls an agent turn's declared tool: a POST of `body` signed as a webhook, with the
+    /// call's `Idempotency-Key`. A 2xx JSON answer is the result; anything else is an
+    /// error saying what came back (never the URL).
+    pub async fn call_json(
+        &self,
+        url: &str,
+        body: &serde_json::Value,
+        idempotency_key: &str,
+    ) -> Result<serde_json::Value, String> {
+        let raw = serde_json::to_vec(body).map_err(|e| format!("arguments: {e}"))?;
+        let t = chrono::Utc::now().timestamp();
+        let signature = policy::webhook_signature(self.secret.expose().as_bytes(), t, &raw);
+        let resp = self
+            .client
+            .post(url)
+            .header("content-type", "application/json")
+            .header("idempotency-key", idempotency_key)
+            .header("airlock-signature", signature)
+            .body(raw)
+            .send()
+            .await
+            .map_err(|e| format!("the tool did not answer: {}", e.without_url()))?;
+        let status = resp.status();
+        let mut resp = resp;
+        let mut bytes = Vec::new();
+        while let Some(chunk) = resp.chunk().await.map_err(|e| format!("the answer broke off: {}", e.without_url()))? {
+            if bytes.len() + chunk.len() > MAX_TOOL_REPLY_BYTES {
+                return Err(format!("the answer is larger than {MAX_TOOL_REPLY_BYTES} bytes"));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        if !status.is_success() {
+            let text: String = String::from_utf8_lossy(&bytes).chars().take(300).collect();
+            return Err(format!("the tool answered {}: {}", status.as_u16(), text.trim()));
+        }
+        serde_json::from_slice(&bytes).map_err(|_| "the tool's answer is not JSON".to_string())
+    }
+}

@@ -7,7 +7,8 @@
 //! `abort` (the process dies on the spot, like a SIGKILL), `error` (the step fails),
 //! `pause` (the step blocks until the process is killed), or `stop` (the whole process
 //! stops itself with SIGSTOP, like a machine frozen at that instruction, and goes on from
-//! there when it gets SIGCONT).
+//! there when it gets SIGCONT). `action@N` acts at the point's Nth hit only (a boundary
+//! met once per round, crashed at a given round); the earlier hits pass.
 //!
 //! Every point's name is listed in [`POINTS`], so suites can check they cover each one.
 
@@ -59,15 +60,21 @@ pub enum Action {
 pub struct FaultError(pub &'static str);
 
 static ANY_ARMED: AtomicBool = AtomicBool::new(false);
-static ARMED: OnceLock<Mutex<HashMap<String, Action>>> = OnceLock::new();
+/// An armed point: its action, and how many hits pass before it acts.
+static ARMED: OnceLock<Mutex<HashMap<String, (Action, u32)>>> = OnceLock::new();
 
-fn armed() -> &'static Mutex<HashMap<String, Action>> {
+fn armed() -> &'static Mutex<HashMap<String, (Action, u32)>> {
     ARMED.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
 /// Arms a point in this process.
 pub fn arm(point: &str, action: Action) {
-    armed().lock().unwrap_or_else(|e| e.into_inner()).insert(point.to_string(), action);
+    arm_at(point, action, 1);
+}
+
+/// Arms a point to act at its `nth` hit (1: the first).
+pub fn arm_at(point: &str, action: Action, nth: u32) {
+    armed().lock().unwrap_or_else(|e| e.into_inner()).insert(point.to_string(), (action, nth.max(1) - 1));
     ANY_ARMED.store(true, Ordering::SeqCst);
 }
 
@@ -84,6 +91,16 @@ pub fn arm_from_spec(spec: &str) -> Result<(), String> {
         if !known(name) {
             return Err(format!("fault `{name}`: no such point"));
         }
+        let (action, nth) = match action.split_once('@') {
+            Some((a, n)) => (
+                a,
+                n.parse::<u32>()
+                    .ok()
+                    .filter(|n| *n >= 1)
+                    .ok_or_else(|| format!("fault `{name}`: `@{n}` is not a hit number"))?,
+            ),
+            None => (action, 1),
+        };
         let action = match action {
             "abort" => Action::Abort,
             "error" => Action::Error,
@@ -91,7 +108,7 @@ pub fn arm_from_spec(spec: &str) -> Result<(), String> {
             "stop" => Action::Stop,
             other => return Err(format!("fault `{name}`: unknown action `{other}`")),
         };
-        arm(name, action);
+        arm_at(name, action, nth);
     }
     Ok(())
 }
@@ -110,7 +127,17 @@ pub async fn hit(point: &'static str) -> Result<(), FaultError> {
     if !ANY_ARMED.load(Ordering::Relaxed) {
         return Ok(());
     }
-    let action = armed().lock().unwrap_or_else(|e| e.into_inner()).get(point).copied();
+    let action = {
+        let mut map = armed().lock().unwrap_or_else(|e| e.into_inner());
+        match map.get_mut(point) {
+            Some((_, skip)) if *skip > 0 => {
+                *skip -= 1;
+                None
+            }
+            Some((a, _)) => Some(*a),
+            None => None,
+        }
+    };
     match action {
         None => Ok(()),
         Some(Action::Abort) => {
@@ -137,5 +164,7 @@ mod tests {
         assert!(arm_from_spec("job.after_claim=sometimes").is_err());
         assert!(arm_from_spec("no.such.point=abort").is_err());
         assert!(arm_from_spec("job.after_claim").is_err());
+        assert!(arm_from_spec("job.after_claim=abort@0").is_err());
+        assert!(arm_from_spec("job.after_claim=abort@x").is_err());
     }
 }

@@ -56,7 +56,8 @@ impl Drop for TempDir {
 }
 
 impl TestApp {
-    /// Starts everything with the default test configuration plus `extra` variables.
+    /// Starts everything with the default test configuration plus `extra` variables (in a
+    /// value, `{hooks}` is the webhook receiver's origin).
     pub async fn start(pool: PgPool, extra: &[(&str, &str)]) -> Self {
         harness::init_logs();
         let db_url = harness::database_url(&pool);
@@ -89,9 +90,10 @@ impl TestApp {
             ("AIRLOCK__API__LISTEN".into(), "127.0.0.1:0".into()),
             ("AIRLOCK__ADMIN__LISTEN".into(), "127.0.0.1:0".into()),
         ];
+        // `{hooks}` in a value stands for the webhook receiver's origin.
         for (k, v) in extra {
             env.retain(|(ek, _)| ek != k);
-            env.push((k.to_string(), v.to_string()));
+            env.push((k.to_string(), v.replace("{hooks}", &hooks.origin())));
         }
         let config = Arc::new(Config::from_sources(None, &env).expect("test configuration"));
 

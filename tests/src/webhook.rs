@@ -1,5 +1,7 @@
 //! A webhook receiver for tests: records every request it gets (even those it answers with
-//! an error), and answers from a queue of scripted statuses, then 200.
+//! an error), and answers from a queue of scripted answers, then 200. An answer's body is
+//! JSON (the scripted one, or `{"accepted": true, "path", "n"}`), so the receiver also
+//! serves as an agent turn's declared HTTP tool.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -25,7 +27,7 @@ pub struct Hit {
 #[derive(Default)]
 struct Shared {
     hits: Vec<Hit>,
-    script: VecDeque<u16>,
+    script: VecDeque<(u16, Option<serde_json::Value>)>,
 }
 
 /// A running receiver on 127.0.0.1; stops when dropped.
@@ -56,7 +58,12 @@ impl WebhookReceiver {
 
     /// Statuses to answer the next requests with, in order.
     pub fn push_statuses(&self, statuses: impl IntoIterator<Item = u16>) {
-        self.shared.lock().unwrap_or_else(|e| e.into_inner()).script.extend(statuses);
+        self.shared.lock().unwrap_or_else(|e| e.into_inner()).script.extend(statuses.into_iter().map(|s| (s, None)));
+    }
+
+    /// An answer with this status and JSON body for the next request.
+    pub fn push_json(&self, status: u16, body: serde_json::Value) {
+        self.shared.lock().unwrap_or_else(|e| e.into_inner()).script.push_back((status, Some(body)));
     }
 
     pub fn hits(&self) -> Vec<Hit> {
@@ -75,10 +82,12 @@ async fn receive(
     uri: axum::http::Uri,
     headers: HeaderMap,
     body: Bytes,
-) -> StatusCode {
+) -> (StatusCode, axum::Json<serde_json::Value>) {
     let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).map(str::to_string);
     let mut s = shared.lock().unwrap_or_else(|e| e.into_inner());
-    let status = s.script.pop_front().unwrap_or(200);
+    let (status, reply) = s.script.pop_front().unwrap_or((200, None));
+    let n = s.hits.len() + 1;
+    let reply = reply.unwrap_or_else(|| serde_json::json!({"accepted": true, "path": uri.path(), "n": n}));
     s.hits.push(Hit {
         path: uri.path().to_string(),
         idempotency_key: header("idempotency-key"),
@@ -86,5 +95,5 @@ async fn receive(
         body: body.to_vec(),
         answered: status,
     });
-    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+    (StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), axum::Json(reply))
 }

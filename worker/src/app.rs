@@ -34,13 +34,25 @@ pub fn registry_with(cfg: &Arc<Config>, worker_id: &str, webhook_secret: Option<
     let webhook = if cfg.delivery.webhook_origins.is_empty() {
         None
     } else {
-        let secret =
-            webhook_secret.ok_or_else(|| WebhookSetupError::MissingSecret(cfg.delivery.webhook_secret_env.clone()))?;
+        let secret = webhook_secret
+            .clone()
+            .ok_or_else(|| WebhookSetupError::MissingSecret(cfg.delivery.webhook_secret_env.clone()))?;
         Some(WebhookSender::new(secret, Duration::from_secs(cfg.delivery.webhook_timeout_seconds.max(1)))?)
     };
     r.register(SEND_JOB, SendHandler::new(cfg.clone(), worker_id.to_string(), Some(smtp), webhook));
     crate::sandbox::register(&mut r, cfg, worker_id)?;
-    crate::turn::register(&mut r, cfg, None)?;
+    let tools = match (&webhook_secret, cfg.tools.is_empty()) {
+        (_, true) => None,
+        (Some(secret), false) => {
+            let timeout = Duration::from_secs(cfg.agent.tool_timeout_seconds);
+            let sender = WebhookSender::new(secret.clone(), timeout)?;
+            Some(Arc::new(crate::turn::WebhookTransport(sender)) as Arc<dyn airlock_agent::tools::Transport>)
+        }
+        (None, false) => {
+            return Err(WebhookSetupError::MissingSecret(cfg.delivery.webhook_secret_env.clone()).into());
+        }
+    };
+    crate::turn::register(&mut r, cfg, tools)?;
     crate::migrate::register(&mut r, cfg, worker_id)?;
     if cfg.worker.diagnostic_jobs {
         crate::diag::register(&mut r);

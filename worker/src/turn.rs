@@ -15,6 +15,21 @@ use airlock_queue::Waker;
 
 use crate::handler::{BoxFuture, Handler, HandlerError, JobContext, Outcome, Registry};
 
+/// Declared HTTP tools reached through the webhook transport: the same allow-list,
+/// signatures and limits as a webhook delivery.
+pub struct WebhookTransport(pub airlock_channels::webhook::WebhookSender);
+
+impl Transport for WebhookTransport {
+    fn post<'a>(
+        &'a self,
+        url: &'a str,
+        body: &'a serde_json::Value,
+        idempotency_key: &'a str,
+    ) -> airlock_agent::tools::BoxFuture<'a, Result<serde_json::Value, String>> {
+        Box::pin(self.0.call_json(url, body, idempotency_key))
+    }
+}
+
 /// Registers the kind. The catalogue and the models are checked now, so a worker with a
 /// tool or model it cannot serve refuses to start.
 pub fn register(r: &mut Registry, cfg: &Arc<Config>, transport: Option<Arc<dyn Transport>>) -> anyhow::Result<()> {

@@ -8,3 +8,4 @@
 mod api;
 mod crash;
 mod replay_eval;
+mod turns;

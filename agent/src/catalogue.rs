@@ -247,11 +247,19 @@ impl Catalogue {
 }
 
 fn declared(id: &str, t: &ToolConfig, cfg: &Config) -> Result<Tool, String> {
-    let origin = airlock_delivery::artifact::origin_of(&t.url)
-        .ok_or_else(|| format!("`tools.{id}.url`: not an http(s) URL with a host"))?;
-    if !cfg.delivery.webhook_origins.iter().any(|o| o.trim_end_matches('/') == origin) {
-        return Err(format!("`tools.{id}.url`: its origin {origin} is not one of delivery.webhook_origins"));
+    if crate::protocol::is_reserved_tool_id(id) {
+        return Err(format!(
+            "`tools.{id}`: the name claims an authorization (grant, approve, authorize) or an airlock namespace"
+        ));
     }
+    // The same rule as a webhook delivery's URL: an allowed origin, HTTPS (plain HTTP
+    // only to loopback, when the operator allows it).
+    airlock_delivery::policy::check_webhook_url(
+        &cfg.delivery.webhook_origins,
+        &t.url,
+        cfg.delivery.webhook_allow_plaintext_loopback,
+    )
+    .map_err(|e| format!("`tools.{id}.url`: {e}"))?;
     if t.url.contains('#') {
         return Err(format!("`tools.{id}.url`: no fragment"));
     }

@@ -170,10 +170,7 @@ fn action(mut map: Map<String, Value>) -> Result<Action, ProtocolError> {
             if let Some(k) = map.keys().next() {
                 return Err(ProtocolError::UnknownKey(k.clone()));
             }
-            let lowered = tool_id.to_ascii_lowercase();
-            if RESERVED_TOOL_PREFIXES.iter().any(|p| lowered.starts_with(p))
-                || RESERVED_TOOL_WORDS.iter().any(|w| lowered.contains(w))
-            {
+            if is_reserved_tool_id(&tool_id) {
                 return Err(ProtocolError::SelfAuthorization(tool_id));
             }
             if let Some(k) = arguments.keys().find(|k| claims_authorization(k)) {
@@ -194,6 +191,13 @@ fn action(mut map: Map<String, Value>) -> Result<Action, ProtocolError> {
         }
         other => Err(ProtocolError::UnknownType(Value::String(other.into()).to_string())),
     }
+}
+
+/// Whether a tool id is in airlock's namespaces or claims a grant: no tool has one.
+pub fn is_reserved_tool_id(id: &str) -> bool {
+    let lowered = id.to_ascii_lowercase();
+    RESERVED_TOOL_PREFIXES.iter().any(|p| lowered.starts_with(p))
+        || RESERVED_TOOL_WORDS.iter().any(|w| lowered.contains(w))
 }
 
 fn claims_authorization(key: &str) -> bool {
@@ -331,5 +335,109 @@ mod tests {
         }
         // Deeper down, a payload is the outside world's data, not a claim.
         assert!(parse(&call("delivery.webhook", serde_json::json!({"body": {"approved": true}}))).is_ok());
+    }
+
+    mod properties {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        fn tool_id() -> impl Strategy<Value = String> {
+            "[a-z][a-z0-9_]{0,10}(\\.[a-z][a-z0-9_]{0,10})?"
+                .prop_filter("not reserved", |t| parse(&call(t, serde_json::json!({}))).is_ok())
+        }
+
+        fn scalar() -> impl Strategy<Value = Value> {
+            prop_oneof![
+                any::<bool>().prop_map(Value::Bool),
+                any::<i64>().prop_map(Value::from),
+                "[ -~]{0,20}".prop_map(Value::String),
+                Just(Value::Null),
+            ]
+        }
+
+        fn arguments() -> impl Strategy<Value = Map<String, Value>> {
+            proptest::collection::btree_map("[a-z]{1,8}", scalar(), 0..5)
+                .prop_map(|m| m.into_iter().filter(|(k, _)| !claims_authorization(k)).collect::<Map<String, Value>>())
+        }
+
+        fn action() -> impl Strategy<Value = Action> {
+            prop_oneof![
+                (tool_id(), arguments()).prop_map(|(tool_id, arguments)| Action::ToolCall { tool_id, arguments }),
+                "[ -~]{0,40}".prop_map(|text| Action::Final { text }),
+            ]
+        }
+
+        /// The action's JSON text with a top-level key written twice.
+        fn with_duplicate(a: &Action) -> String {
+            let text = a.to_json().to_string();
+            format!("{{\"type\":\"x\",{}", &text[1..])
+        }
+
+        proptest! {
+            #[test]
+            fn a_valid_action_parses_back_to_itself(a in action(), pad in "[ \t\r\n]{0,3}") {
+                let text = format!("{pad}{}{pad}", a.to_json());
+                prop_assert_eq!(parse(&text), Ok(a));
+            }
+
+            #[test]
+            fn text_around_the_object_is_refused(a in action(), junk in "[!-~]{1,12}") {
+                let text = a.to_json().to_string();
+                let (before, after, spaced) = (format!("{junk}{text}"), format!("{text}{junk}"), format!("{text} {junk}"));
+                prop_assert!(parse(&before).is_err());
+                prop_assert!(parse(&after).is_err());
+                prop_assert!(parse(&spaced).is_err());
+                prop_assert_eq!(parse(&format!("```\n{text}\n```")).map_err(|e| e.code()), Err("fence"));
+            }
+
+            #[test]
+            fn a_duplicate_or_unknown_key_is_refused(a in action(), extra in "[a-z]{1,8}") {
+                prop_assert_eq!(parse(&with_duplicate(&a)).map_err(|e| e.code()), Err("duplicate_key"));
+                let mut v = a.to_json();
+                if v.get(&extra).is_none() {
+                    v[&extra] = Value::Bool(true);
+                    prop_assert_eq!(parse(&v.to_string()).map_err(|e| e.code()), Err("unknown_key"));
+                }
+            }
+
+            #[test]
+            fn a_wrong_type_or_a_missing_key_is_refused(a in action(), drop_key in 0usize..3, bad in scalar()) {
+                let v = a.to_json();
+                let keys: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+                let key = &keys[drop_key % keys.len()];
+                let mut dropped = v.clone();
+                dropped.as_object_mut().unwrap().remove(key);
+                prop_assert!(parse(&dropped.to_string()).is_err());
+                let mut retyped = v.clone();
+                let expected_string = key != "arguments";
+                let wrong = if expected_string { !bad.is_string() } else { !bad.is_object() };
+                if wrong {
+                    retyped[key] = bad;
+                    prop_assert!(parse(&retyped.to_string()).is_err());
+                }
+            }
+
+            #[test]
+            fn an_argument_that_claims_an_authorization_is_refused(
+                tool in tool_id(),
+                args in arguments(),
+                key in prop::sample::select(RESERVED_ARGUMENTS),
+                v in scalar(),
+            ) {
+                let mut args = args;
+                args.insert(key.to_string(), v);
+                let text = Action::ToolCall { tool_id: tool, arguments: args }.to_json().to_string();
+                prop_assert_eq!(parse(&text).map_err(|e| e.code()), Err("self_authorization"));
+            }
+
+            #[test]
+            fn any_text_is_an_action_or_a_refusal_never_a_panic(text in "\\PC{0,80}") {
+                if let Ok(a) = parse(&text) {
+                    // Whatever was accepted is one object that reads back the same.
+                    prop_assert_eq!(parse(&a.to_json().to_string()), Ok(a));
+                }
+            }
+        }
     }
 }

@@ -632,3 +632,39 @@ pub async fn requeue_run(pool: &PgPool, run_id: RunId) -> Result<usize, TurnErro
     tx.commit().await?;
     Ok(n)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_whole_table() {
+        use TurnAction as A;
+        use TurnState as S;
+        let ends = [S::Completed, S::Failed, S::ModelUnavailable, S::ModelProtocolError, S::BudgetExhausted];
+        let mut expected: Vec<(S, A, S)> = vec![
+            (S::Queued, A::Start, S::Running),
+            (S::Running, A::Start, S::Running),
+            (S::Running, A::Pause, S::AuthorizationRequired),
+            (S::AuthorizationRequired, A::Resume, S::Queued),
+            (S::Queued, A::Cancel, S::Cancelled),
+            (S::Running, A::Cancel, S::Cancelled),
+            (S::AuthorizationRequired, A::Cancel, S::Cancelled),
+        ];
+        for to in ends {
+            expected.push((S::Queued, A::End(to), to));
+            expected.push((S::Running, A::End(to), to));
+        }
+        let actions: Vec<A> =
+            [A::Start, A::Pause, A::Resume, A::Cancel].into_iter().chain(S::ALL.into_iter().map(A::End)).collect();
+        for from in S::ALL {
+            for a in &actions {
+                let want = expected.iter().find(|(f, x, _)| *f == from && x == a).map(|(_, _, to)| *to);
+                assert_eq!(next(from, *a), want, "{from:?} by {a:?}");
+            }
+            assert_eq!(S::parse(from.as_str()), Some(from));
+        }
+        let terminal: Vec<S> = S::ALL.into_iter().filter(|s| s.is_terminal()).collect();
+        assert_eq!(terminal, [ends[..2].to_vec(), vec![S::Cancelled], ends[2..].to_vec()].concat());
+    }
+}

@@ -29,6 +29,8 @@ async fn every_state_enum_mirrors_its_postgres_enum(pool: PgPool) {
         ("sandbox_task_state", airlock_sandbox::state::TaskState::ALL.iter().map(|s| s.as_str()).collect()),
         ("relocation_phase", airlock_capsule::relocation::Phase::ALL.iter().map(|s| s.as_str()).collect()),
         ("agent_state", airlock_capsule::agents::AgentState::ALL.iter().map(|s| s.as_str()).collect()),
+        ("turn_state", airlock_agent::TurnState::ALL.iter().map(|s| s.as_str()).collect()),
+        ("authorization_state", ["pending", "granted", "denied"].to_vec()),
     ];
     for (ty, rust) in cases {
         let mut pg = labels(&pool, ty).await;

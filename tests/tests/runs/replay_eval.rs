@@ -120,3 +120,49 @@ async fn the_step_where_the_new_model_diverges_and_only_it_is_reported(pool: PgP
         assert_ne!(code, 0, "{bad}");
     }
 }
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_recorded_turn_replays_and_the_round_where_the_fake_diverges_is_reported(pool: PgPool) {
+    let (app, model, _w) = crate::turns::start(pool, &[]).await;
+    let run = app.create_run(0).await;
+    let call = |q: &str| json!({"type": "tool_call", "tool_id": "journal.search", "arguments": {"query": q}});
+    model.push([
+        Reply::action(call("one")),
+        Reply::action(call("two")),
+        Reply::action(json!({"type": "final", "text": "done"})),
+    ]);
+    let body = json!({"step_id": "t", "model": "local", "input": "Look twice.", "tools": ["journal.search"]});
+    let id = crate::turns::new_turn(&app, &run, body).await;
+    let t = crate::turns::wait_turn(&app, &id, &["completed", "failed", "model_protocol_error"]).await;
+    assert_eq!(t["state"], "completed", "{t}");
+
+    // The candidate answers each recorded request as the recorded model did, but round 2.
+    let fake = ModelServer::start().await.unwrap();
+    fake.respond_with(move |req| {
+        let answers = req["messages"].as_array().unwrap().iter().filter(|m| m["role"] == "assistant").count();
+        match answers {
+            0 => Reply::action(call("one")),
+            1 => Reply::action(json!({"type": "final", "text": "enough"})),
+            _ => Reply::action(json!({"type": "final", "text": "done"})),
+        }
+    });
+    let (code, out) =
+        admin(&app, &["replay-eval", "--run", &run, "--endpoint", &fake.endpoint(), "--model", "candidate", "--json"])
+            .await;
+    assert_eq!(code, 0, "{out}");
+    let report: Value = serde_json::from_str(out.trim()).unwrap();
+    let verdicts: Vec<(&str, &str)> = report["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["step_id"].as_str().unwrap(), s["verdict"].as_str().unwrap()))
+        .collect();
+    assert_eq!(verdicts, vec![("t/r1/model", "same"), ("t/r2/model", "diverged"), ("t/r3/model", "same")], "{report}");
+    // Each round was asked with the request the turn recorded for it.
+    let recorded = model.requests();
+    let asked = fake.requests();
+    assert_eq!(asked.len(), 3);
+    for (a, r) in asked.iter().zip(&recorded) {
+        assert_eq!(a["messages"], r["messages"]);
+    }
+}

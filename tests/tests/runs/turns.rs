@@ -558,3 +558,58 @@ async fn a_process_with_a_model_endpoint_off_loopback_refuses_to_start_naming_th
         }
     }
 }
+
+#[test]
+fn a_declared_tool_off_the_allow_list_or_with_an_open_schema_is_refused_naming_its_key() {
+    let base = |extra: &[(&str, &str)]| {
+        let mut vars: Vec<(String, String)> = vec![
+            ("DATABASE_URL".into(), "postgres://x@127.0.0.1/x".into()),
+            ("AIRLOCK__DELIVERY__WEBHOOK_ORIGINS".into(), "https://hooks.example.com".into()),
+        ];
+        vars.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        airlock_core::config::Config::from_sources(None, &vars)
+    };
+    let tool = |url: &str, schema: &str| {
+        vec![
+            ("AIRLOCK__TOOLS__CRM__URL", url.to_string()),
+            ("AIRLOCK__TOOLS__CRM__EFFECT", "idempotent".to_string()),
+            ("AIRLOCK__TOOLS__CRM__DESCRIPTION", "d".to_string()),
+            ("AIRLOCK__TOOLS__CRM__SCHEMA", schema.to_string()),
+        ]
+    };
+    let refusal = |url: &str, schema: &str| -> String {
+        let vars = tool(url, schema);
+        let pairs: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        match base(&pairs) {
+            Err(e) => e.to_string(),
+            Ok(cfg) => airlock_agent::catalogue::Catalogue::from_config(&cfg).err().unwrap_or_default(),
+        }
+    };
+    assert_eq!(refusal("https://hooks.example.com/crm", CRM_SCHEMA), "");
+    for (url, schema, key) in [
+        ("https://evil.example.com/crm", CRM_SCHEMA, "tools.crm.url"),
+        ("http://hooks.example.com/crm", CRM_SCHEMA, "tools.crm.url"),
+        ("https://hooks.example.com/crm", r#"{"type":"object"}"#, "tools.crm.schema"),
+        (
+            "https://hooks.example.com/crm",
+            r#"{"type":"object","additionalProperties":false,"properties":{"a":{"type":"nonsense"}}}"#,
+            "tools.crm.schema",
+        ),
+        ("https://hooks.example.com/crm", "{not json", "tools"),
+    ] {
+        let why = refusal(url, schema);
+        assert!(why.contains(key), "{url} {schema}: {why:?}");
+    }
+    // Nor may a declared tool take a built-in's name or airlock's namespaces.
+    for id in ["delivery__email", "auto_approve", "grant_money"] {
+        let vars = [
+            (format!("AIRLOCK__TOOLS__{id}__URL"), "https://hooks.example.com/x".to_string()),
+            (format!("AIRLOCK__TOOLS__{id}__EFFECT"), "pure".into()),
+            (format!("AIRLOCK__TOOLS__{id}__DESCRIPTION"), "d".into()),
+            (format!("AIRLOCK__TOOLS__{id}__SCHEMA"), CRM_SCHEMA.into()),
+        ];
+        let pairs: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let r = base(&pairs).map(|c| airlock_agent::catalogue::Catalogue::from_config(&c).map(|_| ()));
+        assert!(!matches!(r, Ok(Ok(()))), "{id} accepted");
+    }
+}

@@ -328,11 +328,7 @@ impl Engine {
                 .await?,
             ));
         };
-        let new_lines = context::append(&mut d.journal, d.turn.id, &d.transcript);
-        let stored = context::store(&self.pool, &d.turn.agent, d.turn.id, &new_lines).await?;
-        if stored != new_lines.len() as u64 {
-            return Err(EngineError::Retry("the turn's journal was written by another driver meanwhile".into()));
-        }
+        self.sync_journal(d).await?;
         let limits = d.turn.limits.0;
         let window = ((model.context_tokens as usize) * 3 / 4).min(limits.max_context_bytes / 4);
         let rendered = context::render_for(&d.journal, &d.turn.model, &d.prompt, window, &context::machine(d.turn.id));
@@ -457,7 +453,13 @@ impl Engine {
     ) -> Result<Flow<(bool, Value)>, EngineError> {
         let call_step = d.step_id(n, "call");
         let key = effects::idempotency_key(d.turn.run_id, &call_step);
-        let who = Caller { agent: &d.turn.agent, run_id: d.turn.run_id, call_step: &call_step, idempotency_key: &key };
+        let who = Caller {
+            agent: &d.turn.agent,
+            principal_id: d.turn.principal_id,
+            run_id: d.turn.run_id,
+            call_step: &call_step,
+            idempotency_key: &key,
+        };
         turn::event(
             &self.pool,
             d.turn.id,
@@ -662,7 +664,13 @@ impl Engine {
             };
             let step = format!("{}/deliver", d.turn.step_id);
             let key = effects::idempotency_key(d.turn.run_id, &step);
-            let who = Caller { agent: &d.turn.agent, run_id: d.turn.run_id, call_step: &step, idempotency_key: &key };
+            let who = Caller {
+                agent: &d.turn.agent,
+                principal_id: d.turn.principal_id,
+                run_id: d.turn.run_id,
+                call_step: &step,
+                idempotency_key: &key,
+            };
             match self.tools.submit(artifact, who).await {
                 Ok(v) => delivery_id = v["delivery_id"].as_str().and_then(|s| s.parse().ok()),
                 Err(CallError::Failed(v)) => {
@@ -690,8 +698,20 @@ impl Engine {
         self.end(d, ending).await
     }
 
-    async fn end(&self, d: &Driver, ending: Ending) -> Result<Drove, EngineError> {
+    async fn end(&self, d: &mut Driver, ending: Ending) -> Result<Drove, EngineError> {
+        // What the turn went through is the agent's journal, to its last answer.
+        self.sync_journal(d).await?;
         self.end_now(&d.turn, d.epoch, ending, d.rounds, d.tool_calls).await
+    }
+
+    /// Appends to the agent's journal what the transcript holds that it does not.
+    async fn sync_journal(&self, d: &mut Driver) -> Result<(), EngineError> {
+        let new_lines = context::append(&mut d.journal, d.turn.id, &d.transcript);
+        let stored = context::store(&self.pool, &d.turn.agent, d.turn.id, &new_lines).await?;
+        if stored != new_lines.len() as u64 {
+            return Err(EngineError::Retry("the turn's journal was written by another driver meanwhile".into()));
+        }
+        Ok(())
     }
 
     async fn end_now(
@@ -725,7 +745,7 @@ impl Engine {
     }
 
     /// The run refused a write: ended, taken by another holder, or over its budget.
-    async fn run_refused(&self, d: &Driver, e: RunError) -> Result<Drove, EngineError> {
+    async fn run_refused(&self, d: &mut Driver, e: RunError) -> Result<Drove, EngineError> {
         match e {
             RunError::BudgetExhausted { limit } => {
                 self.end(

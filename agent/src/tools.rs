@@ -76,6 +76,8 @@ pub struct ToolBox {
 #[derive(Debug, Clone, Copy)]
 pub struct Caller<'a> {
     pub agent: &'a str,
+    /// The token that asked for the turn.
+    pub principal_id: Option<uuid::Uuid>,
     pub run_id: RunId,
     pub call_step: &'a str,
     pub idempotency_key: &'a str,
@@ -101,7 +103,7 @@ impl ToolBox {
                 let limit = arguments.get("limit").and_then(Value::as_u64).unwrap_or(5).clamp(1, 20) as usize;
                 self.search(who.agent, query, limit).await
             }
-            ToolKind::SandboxRun => Err(failed("sandbox.run is not available in this process")),
+            ToolKind::SandboxRun => self.sandbox(arguments, who).await,
             ToolKind::Http { url } => {
                 let Some(t) = &self.transport else {
                     return Err(CallError::Retry("this process has no transport for HTTP tools".into()));
@@ -141,6 +143,57 @@ impl ToolBox {
             Err(e @ (PipelineError::Db(_) | PipelineError::Queue(_))) => Err(CallError::Retry(e.to_string())),
             Err(PipelineError::InvalidTransition(m)) => Err(CallError::RunGone(m)),
             Err(e) => Err(failed(e.to_string())),
+        }
+    }
+
+    /// A sandboxed task of the agent, keyed by the call (the same call again is the same
+    /// task), waited for up to `agent.sandbox_wait_seconds`; its outcome is the result.
+    async fn sandbox(&self, arguments: &Map<String, Value>, who: Caller<'_>) -> Result<Value, CallError> {
+        use airlock_sandbox::spec::{TaskBody, TaskRequest};
+        let body = json!({
+            "command": arguments.get("command"), "requested_tier": arguments.get("requested_tier"),
+            "reason": arguments.get("reason"), "mode": "agent", "effect": "idempotent",
+        });
+        let body: TaskBody = serde_json::from_value(body).map_err(|e| failed(format!("arguments: {e}")))?;
+        let req = TaskRequest::parse(body, &self.config.sandbox).map_err(failed)?;
+        let Some(principal) = who.principal_id else {
+            return Err(failed("this turn has no principal to start a task as"));
+        };
+        let (task, _) =
+            airlock_sandbox::service::submit_keyed(&self.pool, principal, who.agent, &req, Some(who.idempotency_key))
+                .await
+                .map_err(|e| match e {
+                    airlock_sandbox::SandboxError::Db(_) | airlock_sandbox::SandboxError::Queue(_) => {
+                        CallError::Retry(e.to_string())
+                    }
+                    other => failed(other.to_string()),
+                })?;
+        let wait = std::time::Duration::from_secs(self.config.agent.sandbox_wait_seconds);
+        let until = tokio::time::Instant::now() + wait;
+        loop {
+            let t = airlock_sandbox::store::get_task(&self.pool, task.id)
+                .await
+                .map_err(|e| CallError::Retry(e.to_string()))?
+                .ok_or_else(|| CallError::Retry("the task vanished".into()))?;
+            if t.state.is_terminal() {
+                let view = airlock_sandbox::view::task(&self.pool, &t, false)
+                    .await
+                    .map_err(|e| CallError::Retry(e.to_string()))?;
+                return if t.state == airlock_sandbox::state::TaskState::Succeeded {
+                    Ok(view)
+                } else {
+                    Err(CallError::Failed(view))
+                };
+            }
+            if tokio::time::Instant::now() >= until {
+                return Err(failed(format!(
+                    "task {} did not end within {} s (agent.sandbox_wait_seconds); it is {}",
+                    t.id,
+                    wait.as_secs(),
+                    t.state.as_str()
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
         }
     }
 

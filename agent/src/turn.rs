@@ -179,13 +179,15 @@ pub struct Turn {
     pub delivery_id: Option<DeliveryId>,
     pub error: Option<Value>,
     pub epoch: i64,
+    /// The token that asked for the turn (the tasks it starts are asked by it).
+    pub principal_id: Option<uuid::Uuid>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
 }
 
 const COLUMNS: &str = "id, run_id, step_id, agent, model, instructions, input, tools, limits, deliver, state, rounds, \
-     tool_calls, final_text, delivery_id, error, epoch, created_at, updated_at, finished_at";
+     tool_calls, final_text, delivery_id, error, epoch, principal_id, created_at, updated_at, finished_at";
 
 /// A checked request for a turn.
 #[derive(Debug, Clone, PartialEq)]
@@ -310,7 +312,13 @@ pub fn final_artifact(
 
 /// Creates the turn and enqueues its job (which wakes the workers), in one transaction. The same `step_id` with the
 /// same request returns the turn it made (`false`); with another request it is a conflict.
-pub async fn create(pool: &PgPool, run_id: RunId, agent: &str, new: &NewTurn) -> Result<(Turn, bool), TurnError> {
+pub async fn create(
+    pool: &PgPool,
+    run_id: RunId,
+    agent: &str,
+    principal_id: uuid::Uuid,
+    new: &NewTurn,
+) -> Result<(Turn, bool), TurnError> {
     let mut tx = pool.begin().await?;
     let run = airlock_runs::run::lock(&mut tx, run_id, Some(agent)).await?.ok_or(TurnError::NotFound("run"))?;
     if let Some(turn) = by_step(&mut *tx, run_id, &new.step_id).await? {
@@ -331,8 +339,8 @@ pub async fn create(pool: &PgPool, run_id: RunId, agent: &str, new: &NewTurn) ->
     }
     let id = TurnId::new();
     let turn: Turn = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO agent_turns (id, run_id, step_id, agent, model, instructions, input, tools, limits, deliver)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING {COLUMNS}"
+        "INSERT INTO agent_turns (id, run_id, step_id, agent, model, instructions, input, tools, limits, deliver, principal_id)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING {COLUMNS}"
     )))
     .bind(id)
     .bind(run_id)
@@ -344,6 +352,7 @@ pub async fn create(pool: &PgPool, run_id: RunId, agent: &str, new: &NewTurn) ->
     .bind(&new.tools)
     .bind(Json(new.limits))
     .bind(&new.deliver)
+    .bind(principal_id)
     .fetch_one(&mut *tx)
     .await?;
     event(&mut *tx, id, "queued", "queued", &json!({"model": new.model, "tools": new.tools})).await?;

@@ -35,7 +35,7 @@ pub async fn create_turn(
     let agent = auth.agent()?;
     let run_id = parse_id(&id)?;
     let new = NewTurn::parse(&body, &state.config, &state.catalogue)?;
-    let (t, created) = turn::create(&state.pool, run_id, agent, &new).await?;
+    let (t, created) = turn::create(&state.pool, run_id, agent, auth.0.id, &new).await?;
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     Ok((
         status,

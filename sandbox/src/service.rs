@@ -55,8 +55,28 @@ pub fn job_task_id(payload: &serde_json::Value) -> Result<Uuid, SandboxError> {
 /// Stores a task and enqueues its selection.
 #[tracing::instrument(skip_all, fields(agent = agent))]
 pub async fn submit(pool: &PgPool, who: &Principal, agent: &str, req: &TaskRequest) -> Result<Task, SandboxError> {
+    Ok(submit_keyed(pool, who.id, agent, req, None).await?.0)
+}
+
+/// [`submit`] for the principal `principal_id`, once per `idempotency_key`: the same key
+/// again returns the task it made (`false`), whatever was asked now.
+#[tracing::instrument(skip_all, fields(agent = agent))]
+pub async fn submit_keyed(
+    pool: &PgPool,
+    principal_id: Uuid,
+    agent: &str,
+    req: &TaskRequest,
+    idempotency_key: Option<&str>,
+) -> Result<(Task, bool), SandboxError> {
     let mut tx = pool.begin().await?;
-    let task = store::insert_task(&mut *tx, agent, who.id, req).await?;
+    let Some(task) = store::insert_task(&mut *tx, agent, principal_id, req, idempotency_key).await? else {
+        drop(tx);
+        let key = idempotency_key.unwrap_or_default();
+        return match store::task_by_key(pool, key).await? {
+            Some(t) if t.agent == agent => Ok((t, false)),
+            _ => Err(SandboxError::Invalid("the idempotency key belongs to another agent's task".into())),
+        };
+    };
     let job = NewJob::new(SELECT_JOB, json!({"task_id": task.id}))
         .queue(QUEUE)
         .max_attempts(SELECT_ATTEMPTS)
@@ -64,7 +84,7 @@ pub async fn submit(pool: &PgPool, who: &Principal, agent: &str, req: &TaskReque
     queue::enqueue(&mut tx, &job).await?;
     tx.commit().await?;
     tracing::info!(task.id = %task.id, mode = task.mode.as_str(), "sandbox task stored");
-    Ok(task)
+    Ok((task, true))
 }
 
 /// Decides a `selecting` task's tier (the `sandbox.select` job) and completes the job in

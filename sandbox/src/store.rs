@@ -99,17 +99,20 @@ pub struct Run {
     pub result: Option<String>,
 }
 
-/// Inserts a new task in `selecting`.
+/// Inserts a new task in `selecting`. With an idempotency key that a task holds already,
+/// nothing is inserted (`None`).
 pub async fn insert_task(
     db: impl PgExecutor<'_>,
     agent: &str,
     principal_id: Uuid,
     r: &TaskRequest,
-) -> Result<Task, sqlx::Error> {
+    idempotency_key: Option<&str>,
+) -> Result<Option<Task>, sqlx::Error> {
     sqlx::query_as(
         r#"INSERT INTO sandbox_tasks (id, agent, principal_id, command, env, secrets, context, kind, size,
-                                      similarity, mode, requested_tier, reason, effect)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+                                      similarity, mode, requested_tier, reason, effect, idempotency_key)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
+           ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
            RETURNING *"#,
     )
     .bind(Uuid::now_v7())
@@ -126,8 +129,14 @@ pub async fn insert_task(
     .bind(&r.requested_tier)
     .bind(&r.reason)
     .bind(r.effect)
-    .fetch_one(db)
+    .bind(idempotency_key)
+    .fetch_optional(db)
     .await
+}
+
+/// The task of an idempotency key.
+pub async fn task_by_key(db: impl PgExecutor<'_>, key: &str) -> Result<Option<Task>, sqlx::Error> {
+    sqlx::query_as("SELECT * FROM sandbox_tasks WHERE idempotency_key = $1").bind(key).fetch_optional(db).await
 }
 
 pub async fn get_task(db: impl PgExecutor<'_>, id: Uuid) -> Result<Option<Task>, sqlx::Error> {

@@ -22,6 +22,9 @@ use tokio_util::sync::CancellationToken;
 pub enum Reply {
     /// A completion whose assistant message is this text, with this usage.
     Content { text: String, prompt_tokens: i64, completion_tokens: i64 },
+    /// A completion whose message also carries the model's private reasoning
+    /// (`reasoning_content`, as llama.cpp's server sends it).
+    Reasoned { text: String, reasoning: String },
     /// An HTTP status with no completion.
     Status(u16),
     /// No answer for this long, then a completion of `{"type":"final","text":"late"}`.
@@ -121,6 +124,11 @@ async fn complete(State(shared): State<Arc<Mutex<Shared>>>, Json(req): Json<Valu
         }
         Reply::Content { text, prompt_tokens, completion_tokens } => {
             Json(completion(&req, &text, prompt_tokens, completion_tokens)).into_response()
+        }
+        Reply::Reasoned { text, reasoning } => {
+            let mut c = completion(&req, &text, 10, 5);
+            c["choices"][0]["message"]["reasoning_content"] = Value::String(reasoning);
+            Json(c).into_response()
         }
     }
 }

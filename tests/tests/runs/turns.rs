@@ -97,14 +97,14 @@ fn turn_body(step: &str, tools: &[&str]) -> Value {
     json!({"step_id": step, "model": "local", "instructions": "Be brief.", "input": "Handle the customer ACME.", "tools": tools})
 }
 
-/// The tool messages of a model request, parsed.
+/// The tool messages of a model request that a turn wrote (JSON), parsed.
 fn tool_messages(req: &Value) -> Vec<Value> {
     req["messages"]
         .as_array()
         .unwrap()
         .iter()
         .filter(|m| m["role"] == "tool")
-        .map(|m| serde_json::from_str(m["content"].as_str().unwrap()).unwrap())
+        .filter_map(|m| serde_json::from_str(m["content"].as_str().unwrap()).ok())
         .collect()
 }
 
@@ -612,4 +612,132 @@ fn a_declared_tool_off_the_allow_list_or_with_an_open_schema_is_refused_naming_i
         let r = base(&pairs).map(|c| airlock_agent::catalogue::Catalogue::from_config(&c).map(|_| ()));
         assert!(!matches!(r, Ok(Ok(()))), "{id} accepted");
     }
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn an_agent_with_a_capsule_gets_its_journal_as_context_and_another_model_never_sees_a_models_reasoning(
+    pool: PgPool,
+) {
+    let store = std::env::temp_dir().join(format!("airlock-turn-archive-{}", uuid::Uuid::new_v4()));
+    let _cleanup = airlock_tests::app::TempDir(store.clone());
+    let model = ModelServer::start().await.unwrap();
+    let mut env = turn_env(&model);
+    env.push(("AIRLOCK__CAPSULES__STORE_DIR".into(), store.display().to_string()));
+    env.push(("AIRLOCK__MODELS__OTHER__ENDPOINT".into(), model.endpoint()));
+    env.push(("AIRLOCK__MODELS__OTHER__MODEL".into(), "scripted-2".into()));
+    let pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let app = TestApp::start(pool, &pairs).await;
+    let (_w, _) = app.start_worker("turn-worker");
+
+    // The agent's capsule: a conversation, a reasoning of another provider, and a call
+    // that never got its result.
+    let (mut cap, blobs) = airlock_tests::capsule::sample_capsule("agent-1", "node-a", 1);
+    let mut journal = cap.journal().unwrap();
+    journal.append(
+        "node-a",
+        airlock_capsule::journal::EventKind::ToolCall,
+        json!({"call_id": "c2", "name": "deploy", "arguments": {}}),
+        "2026-11-29T10:01:00Z",
+    );
+    cap.set_journal(&journal);
+    let archive = airlock_capsule::archive::DirArchive::new(&store);
+    airlock_capsule::archive::put_capsule(&archive, &cap, &blobs).unwrap();
+
+    let run = app.create_run(0).await;
+    model.push([
+        Reply::Reasoned {
+            text: json!({"type": "tool_call", "tool_id": "memory.read", "arguments": {}}).to_string(),
+            reasoning: "PRIVATE-THOUGHTS-OF-LOCAL".into(),
+        },
+        call("journal.search", json!({"query": "demo repository"})),
+        fin("The README is short."),
+    ]);
+    let id = new_turn(&app, &run, turn_body("with-memory", &["memory.read", "journal.search"])).await;
+    let t = wait_turn(&app, &id, ENDED).await;
+    assert_eq!(t["state"], "completed", "{t}");
+    let asked = model.requests();
+    // The first request carries the capsule's conversation, its dangling call closed, and
+    // none of the other provider's reasoning.
+    let first = serde_json::to_string(&asked[0]["messages"]).unwrap();
+    assert!(first.contains("Summarise the repository.") && first.contains("A demo repository."), "{first}");
+    assert!(first.contains(airlock_capsule::render::MISSING_RESULT), "{first}");
+    assert!(!first.contains("Look at README first."), "another provider's reasoning: {first}");
+    // The tools read the capsule.
+    let memory = tool_messages(&asked[1]);
+    assert!(memory[0]["result"]["working_memory"].as_str().unwrap().contains("the README is short"), "{memory:?}");
+    let found = tool_messages(&asked[2]);
+    let matches = found[1]["result"]["matches"].as_array().unwrap();
+    assert!(matches.iter().any(|m| m["text"] == "A demo repository."), "{found:?}");
+    // The same model sees its own reasoning again.
+    let second = serde_json::to_string(&asked[1]["messages"]).unwrap();
+    assert!(second.contains("PRIVATE-THOUGHTS-OF-LOCAL"), "{second}");
+
+    // The turn went into the agent's journal: the next turn, on another model, sees what
+    // happened, but not the first model's reasoning.
+    model.push([fin("ok")]);
+    let mut body = turn_body("other-model", &[]);
+    body["model"] = json!("other");
+    let id = new_turn(&app, &run, body).await;
+    assert_eq!(wait_turn(&app, &id, ENDED).await["state"], "completed");
+    let next = serde_json::to_string(&model.requests().last().unwrap()["messages"]).unwrap();
+    assert!(next.contains("The README is short.") && next.contains("Handle the customer ACME."), "{next}");
+    assert!(!next.contains("PRIVATE-THOUGHTS-OF-LOCAL"), "{next}");
+    let lines: i64 = sqlx::query_scalar("SELECT count(*) FROM agent_journal WHERE agent = 'agent-1'")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert!(lines >= 8, "{lines}");
+
+    // An agent without a capsule has no memory to read: the model is told.
+    model.push([call("memory.read", json!({})), fin("no memory")]);
+    let (s, v) = app.call("POST", &format!("{}/v1/runs", app.api), Some(&app.other_agent), Some(json!({}))).await;
+    assert_eq!(s, StatusCode::CREATED);
+    let other_run = v["id"].as_str().unwrap();
+    let (s, v) = app
+        .call(
+            "POST",
+            &format!("{}/v1/runs/{other_run}/turns", app.api),
+            Some(&app.other_agent),
+            Some(turn_body("m", &["memory.read"])),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let id = v["id"].as_str().unwrap().to_string();
+    harness::wait_for("the other agent's turn", WAIT, || async {
+        let (_, t) = app.call("GET", &format!("{}/v1/turns/{id}", app.api), Some(&app.other_agent), None).await;
+        (t["state"] == "completed").then_some(())
+    })
+    .await;
+    let told = tool_messages(model.requests().last().unwrap());
+    assert!(told[0]["result"]["error"].as_str().unwrap().contains("no capsule"), "{told:?}");
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn sandbox_run_is_a_task_of_the_agent_waited_for_and_the_same_call_is_the_same_task(pool: PgPool) {
+    let (app, model, _w) = start(pool, &[]).await;
+    let run = app.create_run(0).await;
+    model.push([call("sandbox.run", json!({"command": ["sh", "-c", "echo hello from the sandbox"]})), fin("ran it")]);
+    let id = new_turn(&app, &run, turn_body("sandbox", &["sandbox.run"])).await;
+    let t = wait_turn(&app, &id, ENDED).await;
+    assert_eq!(t["state"], "completed", "{t}");
+    let told = tool_messages(model.requests().last().unwrap());
+    assert_eq!(told[0]["trust"], "UNTRUSTED_DATA");
+    assert_eq!(told[0]["result"]["state"], "succeeded", "{told:?}");
+    assert!(told[0]["result"]["output"]["stdout"].as_str().unwrap().contains("hello from the sandbox"), "{told:?}");
+    let (tasks, keyed): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(idempotency_key) FROM sandbox_tasks WHERE agent = 'agent-1'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!((tasks, keyed), (1, 1));
+    // The same key again is the same task (a driver that took over).
+    let key: String =
+        sqlx::query_scalar("SELECT idempotency_key FROM sandbox_tasks").fetch_one(&app.pool).await.unwrap();
+    let effect_key: String =
+        sqlx::query_scalar("SELECT idempotency_key FROM run_effects WHERE run_id = $1::uuid LIMIT 1")
+            .bind(&run)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(key, effect_key);
 }

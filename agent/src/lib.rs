@@ -19,6 +19,8 @@
 //!   through the run's effects ledger, pause for humans, end.
 //! - [`tools`]: what each tool does when called.
 //! - [`view`]: the JSON shapes.
+//! - [`judge`]: a configured model as the delivery pipeline's second scorer
+//!   (`scoring.model`), fail closed.
 //!
 //! Invariants: nothing a model says or a tool returns changes a turn's tools, grants or
 //! scope; no tool runs on an answer that broke the protocol; a non-repeatable call runs only
@@ -31,6 +33,7 @@ pub mod catalogue;
 pub mod context;
 pub mod engine;
 pub mod error;
+pub mod judge;
 pub mod protocol;
 pub mod provider;
 pub mod tools;

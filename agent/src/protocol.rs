@@ -112,6 +112,59 @@ const RESERVED_ARGUMENTS: &[&str] = &[
 
 /// Parses one round's answer as an action.
 pub fn parse(text: &str) -> Result<Action, ProtocolError> {
+    action(strict_object(text)?)
+}
+
+/// The most reasons a judge's score may give, and the longest one.
+pub const MAX_SCORE_REASONS: usize = 20;
+pub const MAX_SCORE_REASON_CHARS: usize = 500;
+
+/// A judge's answer: `{"type": "score", "value": 0..1, "reasons": ["…"]}`, parsed as
+/// strictly as an action (one object, nothing around it, no duplicate or unknown key).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoreAnswer {
+    pub value: f64,
+    pub reasons: Vec<String>,
+}
+
+/// Parses a judge's answer.
+pub fn parse_score(text: &str) -> Result<ScoreAnswer, ProtocolError> {
+    let mut map = strict_object(text)?;
+    match map.remove("type") {
+        None => return Err(ProtocolError::MissingKey("type")),
+        Some(Value::String(s)) if s == "score" => {}
+        Some(Value::String(s)) => return Err(ProtocolError::UnknownType(Value::String(s).to_string())),
+        Some(_) => return Err(ProtocolError::WrongType { field: "type", expected: "\"score\"" }),
+    }
+    let value = match map.remove("value") {
+        None => return Err(ProtocolError::MissingKey("value")),
+        Some(v) => v.as_f64().filter(|v| (0.0..=1.0).contains(v)),
+    }
+    .ok_or(ProtocolError::WrongType { field: "value", expected: "a number from 0 to 1" })?;
+    let reasons = match map.remove("reasons") {
+        None => return Err(ProtocolError::MissingKey("reasons")),
+        Some(Value::Array(items)) if items.len() <= MAX_SCORE_REASONS => items
+            .into_iter()
+            .map(|r| match r {
+                Value::String(s) if !s.trim().is_empty() && s.chars().count() <= MAX_SCORE_REASON_CHARS => Ok(s),
+                _ => Err(ProtocolError::WrongType {
+                    field: "reasons",
+                    expected: "a list of short texts (at most 500 characters each)",
+                }),
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(_) => {
+            return Err(ProtocolError::WrongType { field: "reasons", expected: "a list of at most 20 texts" });
+        }
+    };
+    if let Some(k) = map.keys().next() {
+        return Err(ProtocolError::UnknownKey(k.clone()));
+    }
+    Ok(ScoreAnswer { value: (value * 1000.0).round() / 1000.0, reasons })
+}
+
+/// The one JSON object an answer must be: no text around it, no fence, no duplicate key.
+fn strict_object(text: &str) -> Result<Map<String, Value>, ProtocolError> {
     let body = text.trim_matches(|c: char| c.is_ascii_whitespace());
     if body.is_empty() {
         return Err(ProtocolError::Empty);
@@ -131,7 +184,7 @@ pub fn parse(text: &str) -> Result<Action, ProtocolError> {
         return Err(ProtocolError::TextAround("after"));
     }
     let Value::Object(map) = value else { return Err(ProtocolError::TextAround("before")) };
-    action(map)
+    Ok(map)
 }
 
 /// The duplicate-key refusal travels through serde's error as text: read it back.
@@ -282,6 +335,30 @@ mod tests {
 
     fn call(tool: &str, args: Value) -> String {
         serde_json::json!({"type": "tool_call", "tool_id": tool, "arguments": args}).to_string()
+    }
+
+    #[test]
+    fn a_judges_score_and_its_refusals() {
+        let ok = parse_score(r#"{"type":"score","value":0.25,"reasons":["asks for a password"]}"#);
+        assert_eq!(ok, Ok(ScoreAnswer { value: 0.25, reasons: vec!["asks for a password".into()] }));
+        assert_eq!(parse_score(r#"{"type":"score","value":1,"reasons":[]}"#).map(|s| s.value), Ok(1.0));
+        let refused = |text: &str| parse_score(text).map_err(|e| e.code());
+        assert_eq!(refused(r#"Sure: {"type":"score","value":0.5,"reasons":[]}"#), Err("text_around"));
+        assert_eq!(refused("```json\n{\"type\":\"score\",\"value\":0.5,\"reasons\":[]}\n```"), Err("fence"));
+        assert_eq!(refused(r#"{"type":"score","value":0.1,"value":0.9,"reasons":[]}"#), Err("duplicate_key"));
+        assert_eq!(refused(r#"{"type":"score","value":0.9,"reasons":[],"approve":true}"#), Err("unknown_key"));
+        assert_eq!(refused(r#"{"type":"score","value":1.5,"reasons":[]}"#), Err("wrong_type"));
+        assert_eq!(refused(r#"{"type":"score","value":-0.1,"reasons":[]}"#), Err("wrong_type"));
+        assert_eq!(refused(r#"{"type":"score","value":"0.9","reasons":[]}"#), Err("wrong_type"));
+        assert_eq!(refused(r#"{"type":"score","value":0.9,"reasons":[1]}"#), Err("wrong_type"));
+        assert_eq!(refused(r#"{"type":"score","value":0.9,"reasons":"fine"}"#), Err("wrong_type"));
+        assert_eq!(refused(r#"{"type":"score","value":0.9}"#), Err("missing_key"));
+        assert_eq!(refused(r#"{"type":"final","text":"0.9"}"#), Err("unknown_type"));
+        let many = serde_json::json!({"type": "score", "value": 0.9, "reasons": vec!["x"; MAX_SCORE_REASONS + 1]});
+        assert_eq!(refused(&many.to_string()), Err("wrong_type"));
+        let long =
+            serde_json::json!({"type": "score", "value": 0.9, "reasons": ["x".repeat(MAX_SCORE_REASON_CHARS + 1)]});
+        assert_eq!(refused(&long.to_string()), Err("wrong_type"));
     }
 
     #[test]

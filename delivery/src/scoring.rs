@@ -10,9 +10,12 @@
 //! - Every penalty comes with one stable, human-readable reason; a score of 1.0 has no
 //!   reasons, and no reason is given without a penalty.
 //! - The scorer only advises: it never approves anything. [`Scorer`] is a trait so a
-//!   model-based judge can be added beside it.
+//!   model-based judge can be added beside it: a [`Judge`] (`scoring.model`) scores too, the
+//!   lower score counts, and a judge that cannot give a verdict sends the item to review.
 
 use std::collections::BTreeSet;
+use std::future::Future;
+use std::pin::Pin;
 
 use serde::{Deserialize, Serialize};
 
@@ -33,6 +36,19 @@ pub trait Scorer: Send + Sync {
     fn score(&self, artifact: &Artifact) -> Score;
     /// Stable identifier of the scorer, stored beside its scores.
     fn name(&self) -> &'static str;
+}
+
+/// A judge's score of one artifact, or why it could not give one.
+pub type Verdict = Result<Score, String>;
+
+/// A second opinion that takes time (a model asked over the network): asked before the
+/// scoring transaction, never inside it. A judge never fails the scoring: what it cannot
+/// decide is an `Err` verdict, and the item goes to review.
+pub trait Judge: Send + Sync {
+    /// Scores `artifact`, or says why it could not.
+    fn judge<'a>(&'a self, artifact: &'a Artifact) -> Pin<Box<dyn Future<Output = Verdict> + Send + 'a>>;
+    /// Stable identifier of the judge, stored beside the scores it gave.
+    fn name(&self) -> &str;
 }
 
 /// Recipients above this count are "many".

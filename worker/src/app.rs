@@ -8,7 +8,7 @@ use airlock_channels::webhook::{WebhookSender, WebhookSetupError};
 use airlock_core::config::Config;
 use airlock_core::secret::Secret;
 use airlock_delivery::pipeline::{SCORE_JOB, SEND_JOB};
-use airlock_delivery::scoring::DefaultScorer;
+use airlock_delivery::scoring::{DefaultScorer, Judge};
 use tokio_util::sync::CancellationToken;
 
 use crate::delivery::{ScoreHandler, SendHandler};
@@ -26,9 +26,19 @@ pub fn registry(cfg: &Arc<Config>, worker_id: &str) -> anyhow::Result<Registry> 
 /// environment variable the configuration names.
 pub fn registry_with(cfg: &Arc<Config>, worker_id: &str, webhook_secret: Option<Secret>) -> anyhow::Result<Registry> {
     let mut r = Registry::new();
+    let judge = match &cfg.scoring.model {
+        None => None,
+        Some(name) => {
+            let model =
+                cfg.models.get(name).ok_or_else(|| anyhow::anyhow!("scoring.model: `{name}` is not configured"))?;
+            let judge = airlock_agent::judge::ModelJudge::new(name, model)
+                .map_err(|e| anyhow::anyhow!("scoring.model: models.{name}: {e}"))?;
+            Some(Arc::new(judge) as Arc<dyn Judge>)
+        }
+    };
     r.register(
         SCORE_JOB,
-        ScoreHandler::new(cfg.clone(), Arc::new(DefaultScorer::new(cfg.delivery.known_domains.clone()))),
+        ScoreHandler::new(cfg.clone(), Arc::new(DefaultScorer::new(cfg.delivery.known_domains.clone())), judge),
     );
     let smtp = SmtpSender::from_config(&cfg.smtp)?;
     let webhook = if cfg.delivery.webhook_origins.is_empty() {

@@ -16,7 +16,7 @@ use airlock_delivery::artifact::Artifact;
 use airlock_delivery::outcome::EffectOutcome;
 use airlock_delivery::pipeline::{self, PipelineError, SendOutcome, SendStart};
 use airlock_delivery::policy;
-use airlock_delivery::scoring::Scorer;
+use airlock_delivery::scoring::{Judge, Scorer};
 use airlock_delivery::state::DeliveryState;
 use airlock_queue::{self as queue, Lease, Rescued, Waker};
 use sqlx::{PgPool, Postgres, Transaction};
@@ -53,18 +53,19 @@ pub struct ScoreHandler {
 const BATCHES: usize = 1;
 
 impl ScoreHandler {
-    pub fn new(config: Arc<Config>, scorer: Arc<dyn Scorer>) -> Self {
+    /// Scores with `scorer`, and with `judge` too when one is configured (`scoring.model`).
+    pub fn new(config: Arc<Config>, scorer: Arc<dyn Scorer>, judge: Option<Arc<dyn Judge>>) -> Self {
         // Every job of one process is in the same database: a batch runs on the pool of
         // its first job, and the sends it enqueues are announced by one waker on the pool
         // of the first batch.
         let waker = Arc::new(std::sync::OnceLock::<Waker>::new());
         let serve: BatchFn<(PgPool, Lease, DeliveryId), Result<(), PipelineError>> = Arc::new(move |batch| {
-            let (config, scorer, waker) = (config.clone(), scorer.clone(), waker.clone());
+            let (config, scorer, judge, waker) = (config.clone(), scorer.clone(), judge.clone(), waker.clone());
             Box::pin(async move {
                 let pool = &batch[0].0;
                 let waker = waker.get_or_init(|| Waker::new(pool.clone()));
                 let items: Vec<(Lease, DeliveryId)> = batch.iter().map(|(_, lease, id)| (*lease, *id)).collect();
-                pipeline::score_many(pool, &config, waker, scorer.as_ref(), &items).await
+                pipeline::score_many(pool, &config, waker, scorer.as_ref(), judge.as_deref(), &items).await
             })
         });
         Self { scores: Batcher::new(pipeline::MAX_SCORE_BATCH, BATCHES, serve) }

@@ -7,6 +7,12 @@
 //! commit at a time. A grant never gives more uses than it has left: when a batch would
 //! overspend it, the batch is rolled back and scored again with only as many deliveries
 //! taking that grant as it has uses, the others passing it over.
+//!
+//! With a [`Judge`] (`scoring.model`), every persisted delivery of the batch is judged
+//! first, with no transaction open (a model answers in seconds, and no row may stay locked
+//! that long); the transaction then takes the lower of the two scores. A verdict counts only
+//! for the artifact it read: a judge that could not answer, broke its protocol, or read
+//! another version routes the delivery to review (fail closed), never to approval.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -20,7 +26,7 @@ use super::{PipelineError, SEND_QUEUE, send_job_for, stored_limits};
 use crate::actor::Actor;
 use crate::artifact::Artifact;
 use crate::grants;
-use crate::scoring::{Score, Scorer};
+use crate::scoring::{Judge, Score, Scorer, Verdict};
 use crate::state::{Action, DeliveryState};
 use crate::store::{self, Delivery, NewApproval, NewScore, Step};
 
@@ -34,10 +40,11 @@ pub async fn score(
     cfg: &Config,
     waker: &Waker,
     scorer: &dyn Scorer,
+    judge: Option<&dyn Judge>,
     lease: Lease,
     delivery_id: DeliveryId,
 ) -> Result<(), PipelineError> {
-    let mut out = score_many(pool, cfg, waker, scorer, &[(lease, delivery_id)]).await;
+    let mut out = score_many(pool, cfg, waker, scorer, judge, &[(lease, delivery_id)]).await;
     out.pop().unwrap_or(Ok(()))
 }
 
@@ -49,9 +56,24 @@ pub async fn score_many(
     cfg: &Config,
     waker: &Waker,
     scorer: &dyn Scorer,
+    judge: Option<&dyn Judge>,
     items: &[(Lease, DeliveryId)],
 ) -> Vec<Result<(), PipelineError>> {
     let mut results: Vec<Option<Result<(), PipelineError>>> = items.iter().map(|_| None).collect();
+    let judged = match judge {
+        Some(judge) => {
+            let ids: Vec<DeliveryId> = items.iter().map(|(_, id)| *id).collect();
+            match judge_all(pool, judge, &ids).await {
+                Ok(j) => Some(Judged { name: judge.name(), verdicts: j }),
+                Err(e) => {
+                    let all: Vec<usize> = (0..items.len()).collect();
+                    fail_all(&mut results, &all, e);
+                    return results.into_iter().map(|r| r.unwrap_or(Ok(()))).collect();
+                }
+            }
+        }
+        None => None,
+    };
     // Uses a grant may still give in this batch, once it turned out to have fewer than asked.
     let mut caps: HashMap<GrantId, i32> = HashMap::new();
     loop {
@@ -59,7 +81,7 @@ pub async fn score_many(
         if pending.is_empty() {
             break;
         }
-        match score_pending(pool, cfg, scorer, items, &pending, &caps).await {
+        match score_pending(pool, cfg, scorer, judged.as_ref(), items, &pending, &caps).await {
             Ok(Scored::Committed { missing, sends }) => {
                 for i in pending {
                     results[i] =
@@ -109,22 +131,77 @@ enum Scored {
 /// The grant that approves a delivery, and the actor its approval is recorded by.
 type ByGrant = (GrantId, Actor);
 
-/// How scoring routes one delivery: to review below the threshold, else to approval.
+/// A judge's verdicts on a batch, each with the artifact version it read.
+struct Judged<'a> {
+    name: &'a str,
+    verdicts: HashMap<DeliveryId, (String, Verdict)>,
+}
+
+/// Judges every persisted delivery of `ids`, at once, outside any transaction.
+async fn judge_all(
+    pool: &PgPool,
+    judge: &dyn Judge,
+    ids: &[DeliveryId],
+) -> Result<HashMap<DeliveryId, (String, Verdict)>, PipelineError> {
+    let rows = store::persisted_artifacts(pool, ids).await?;
+    let mut artifacts = Vec::with_capacity(rows.len());
+    for (id, sha, body) in rows {
+        // A stored artifact that no longer parses is scored (and refused) in the transaction.
+        if let Ok(a) = Artifact::from_json(&body, &stored_limits()) {
+            artifacts.push((id, sha, a));
+        }
+    }
+    let verdicts = futures_util::future::join_all(artifacts.iter().map(|(_, _, a)| judge.judge(a))).await;
+    Ok(artifacts.into_iter().zip(verdicts).map(|((id, sha, _), v)| (id, (sha, v))).collect())
+}
+
+/// How scoring routes one delivery: to review below the threshold (or when the judge gave
+/// no verdict on this artifact), else to approval.
 struct Routed {
     score: Score,
+    scorer: String,
+    judge: Option<serde_json::Value>,
     route: Action,
     why: String,
 }
 
-fn route(cfg: &Config, scorer: &dyn Scorer, artifact: &Artifact) -> Routed {
-    let score = scorer.score(artifact);
+fn route(cfg: &Config, scorer: &dyn Scorer, judged: Option<&Judged>, d: &Delivery, artifact: &Artifact) -> Routed {
+    let own = scorer.score(artifact);
     let threshold = cfg.scoring.review_threshold;
-    let (route, why) = if score.value < threshold {
-        (Action::RouteToReview, format!("score {} is below the review threshold {threshold}", score.value))
-    } else {
-        (Action::RouteToApproval, format!("score {} is at or above the review threshold {threshold}", score.value))
+    let (mut score, name, judge, refused) = match judged {
+        None => (own, scorer.name().to_string(), None, None),
+        Some(j) => match j.verdicts.get(&d.id) {
+            Some((sha, Ok(verdict))) if *sha == d.artifact_sha256 => {
+                let seen = json!({"scorer": j.name, "value": verdict.value, "reasons": verdict.reasons});
+                if verdict.value < own.value {
+                    (verdict.clone(), j.name.to_string(), Some(seen), None)
+                } else {
+                    (own, scorer.name().to_string(), Some(seen), None)
+                }
+            }
+            Some((sha, Err(why))) if *sha == d.artifact_sha256 => {
+                let why = format!("the judge {} gave no score: {why}", j.name);
+                (own, scorer.name().to_string(), Some(json!({"scorer": j.name, "error": why})), Some(why))
+            }
+            _ => {
+                let why = format!("the judge {} did not read this version of the artifact", j.name);
+                (own, scorer.name().to_string(), Some(json!({"scorer": j.name, "error": why})), Some(why))
+            }
+        },
     };
-    Routed { score, route, why }
+    let (route, why) = match refused {
+        Some(why) => {
+            score.reasons.push(why.clone());
+            (Action::RouteToReview, why)
+        }
+        None if score.value < threshold => {
+            (Action::RouteToReview, format!("score {} is below the review threshold {threshold}", score.value))
+        }
+        None => {
+            (Action::RouteToApproval, format!("score {} is at or above the review threshold {threshold}", score.value))
+        }
+    };
+    Routed { score, scorer: name, judge, route, why }
 }
 
 /// The moves of one scored delivery: scored, routed, and approved when a grant matched.
@@ -134,7 +211,10 @@ fn score_steps<'a>(r: &'a Routed, actor: &'a Actor, grant: Option<(GrantId, &'a 
             action: Action::Score,
             actor,
             reason: None,
-            data: json!({"score": r.score.value, "reasons": r.score.reasons}),
+            data: match &r.judge {
+                None => json!({"score": r.score.value, "reasons": r.score.reasons}),
+                Some(j) => json!({"score": r.score.value, "reasons": r.score.reasons, "scorer": r.scorer, "judge": j}),
+            },
         },
         Step { action: r.route, actor, reason: Some(&r.why), data: json!({}) },
     ];
@@ -154,6 +234,7 @@ async fn score_pending(
     pool: &PgPool,
     cfg: &Config,
     scorer: &dyn Scorer,
+    judged: Option<&Judged<'_>>,
     items: &[(Lease, DeliveryId)],
     pending: &[usize],
     caps: &HashMap<GrantId, i32>,
@@ -172,7 +253,7 @@ async fn score_pending(
             continue;
         }
         let artifact = Artifact::from_json(body, &stored_limits())?;
-        let r = route(cfg, scorer, &artifact);
+        let r = route(cfg, scorer, judged, d, &artifact);
         let grant = match r.route {
             Action::RouteToApproval => matching_grant(&mut tx, d, &artifact, r.score.value, &mut caps).await?,
             _ => None,
@@ -187,7 +268,7 @@ async fn score_pending(
             artifact_sha256: &d.artifact_sha256,
             value: r.score.value,
             reasons: &r.score.reasons,
-            scorer: scorer.name(),
+            scorer: &r.scorer,
             threshold,
         })
         .collect();

@@ -248,3 +248,19 @@ pub async fn set_artifact(db: impl PgExecutor<'_>, delivery_id: DeliveryId, sha:
         .await?;
     Ok(())
 }
+
+/// The artifacts of those of `ids` still `persisted`, unlocked: what a judge reads before
+/// the scoring transaction. Each comes with its hash, so a verdict is tied to the version
+/// it read.
+pub async fn persisted_artifacts(
+    db: impl PgExecutor<'_>,
+    ids: &[DeliveryId],
+) -> Result<Vec<(DeliveryId, String, serde_json::Value)>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT d.id, d.artifact_sha256, a.body FROM deliveries d JOIN artifacts a ON a.sha256 = d.artifact_sha256
+           WHERE d.id = ANY ($1) AND d.state = 'persisted' ORDER BY d.id"#,
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await
+}

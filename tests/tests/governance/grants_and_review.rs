@@ -435,7 +435,7 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
         app.submit(TestApp::email(&run, &format!("a{i}"), "Newsletter")).await;
     }
     let items = claim(8).await;
-    let results = pipeline::score_many(&app.pool, &app.config, &waker, &scorer, &items).await;
+    let results = pipeline::score_many(&app.pool, &app.config, &waker, &scorer, None, &items).await;
     assert!(results.iter().all(Result::is_ok), "{results:?}");
     let ids: Vec<DeliveryId> = items.iter().map(|(_, id)| *id).collect();
     assert_eq!(scored(ids.clone()).await, (1, vec![1; 8]), "one transaction, one score each");
@@ -462,7 +462,7 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
     other["email"]["to"] = json!(["bob@elsewhere.example"]);
     let other = app.submit(other).await.parse::<DeliveryId>().unwrap();
     let items = claim(8).await;
-    let results = pipeline::score_many(&app.pool, &app.config, &waker, &scorer, &items).await;
+    let results = pipeline::score_many(&app.pool, &app.config, &waker, &scorer, None, &items).await;
     assert!(results.iter().all(Result::is_ok), "{results:?}");
     let ids: Vec<DeliveryId> = items.iter().map(|(_, id)| *id).collect();
     assert_eq!(scored(ids.clone()).await, (1, vec![1; 8]), "one transaction for the batch, one score each");
@@ -487,7 +487,7 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
     }
     let mut items = claim(3).await;
     items[1].0 = airlock_tests::harness::lease_never_held(&app.pool, items[1].0).await;
-    let results = pipeline::score_many(&app.pool, &app.config, &waker, &scorer, &items).await;
+    let results = pipeline::score_many(&app.pool, &app.config, &waker, &scorer, None, &items).await;
     assert!(results[0].is_ok() && results[2].is_ok(), "{results:?}");
     assert!(matches!(results[1], Err(PipelineError::Queue(QueueError::LeaseLost { .. }))), "{results:?}");
     let ids: Vec<DeliveryId> = items.iter().map(|(_, id)| *id).collect();

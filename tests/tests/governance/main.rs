@@ -4,3 +4,4 @@
 #![allow(clippy::unwrap_used)]
 
 mod grants_and_review;
+mod judge;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 mod runs;
 mod sandbox;
+mod turns;
 
 use anyhow::{Context, bail};
 use clap::Parser;
@@ -52,7 +53,7 @@ struct Args {
     /// No-op sandboxed runs of each kind (unisolated, bubblewrap) in the sandbox part.
     #[arg(long, default_value_t = 300)]
     sandbox_runs: usize,
-    /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline, runs,
+    /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline, runs, turns,
     /// sandbox), for
     /// profiling; a partial run (of parts, modes or worker counts) prints its table but
     /// writes no result file.
@@ -169,6 +170,23 @@ fn spawn(bin_dir: &Path, name: &str, args: &[&str], env: &[(&str, String)]) -> a
         cmd.env(k, v);
     }
     Ok(Proc(cmd.spawn().with_context(|| format!("spawning {name}"))?))
+}
+
+/// A local SMTP sink (STARTTLS, discarding what it gets): the process, its port, its CA.
+async fn smtp_sink(args: &Args) -> anyhow::Result<(Proc, u16, PathBuf)> {
+    let dir = std::env::temp_dir().join(format!("airlock-bench-smtp-{}-{}", std::process::id(), uuid::Uuid::new_v4()));
+    let port = free_port()?;
+    let sink =
+        spawn(&args.bin_dir, "airlock-dev-smtp", &[&port.to_string(), &dir.display().to_string(), "--discard"], &[])?;
+    let ca = dir.join("ca.pem");
+    let start = Instant::now();
+    while !ca.exists() {
+        if start.elapsed() > Duration::from_secs(30) {
+            bail!("the SMTP sink did not start");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok((sink, port, ca))
 }
 
 /// Inserts `n` no-op jobs in batches.
@@ -426,22 +444,7 @@ struct PipelineRun {
 /// workers' peak RSS.
 async fn pipeline(args: &Args) -> anyhow::Result<PipelineRun> {
     let db = Db::create(args, "pipeline").await?;
-    let dir = std::env::temp_dir().join(format!("airlock-bench-smtp-{}", std::process::id()));
-    let smtp_port = free_port()?;
-    let sink = spawn(
-        &args.bin_dir,
-        "airlock-dev-smtp",
-        &[&smtp_port.to_string(), &dir.display().to_string(), "--discard"],
-        &[],
-    )?;
-    let ca = dir.join("ca.pem");
-    let start = Instant::now();
-    while !ca.exists() {
-        if start.elapsed() > Duration::from_secs(30) {
-            bail!("the SMTP sink did not start");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (sink, smtp_port, ca) = smtp_sink(args).await?;
     let (api_port, admin_port) = (free_port()?, free_port()?);
     let env = vec![
         ("DATABASE_URL", db.url.clone()),
@@ -552,7 +555,9 @@ async fn pipeline(args: &Args) -> anyhow::Result<PipelineRun> {
     api.stop();
     admin.stop();
     drop(sink);
-    let _ = std::fs::remove_dir_all(&dir);
+    if let Some(dir) = ca.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
     db.drop().await?;
     Ok(PipelineRun { rate, p50: percentile(&ms, 0.5), p99: percentile(&ms, 0.99), rss })
 }
@@ -754,6 +759,36 @@ async fn main() -> anyhow::Result<()> {
         put(&mut results, "run_steps_per_sec", median(rates));
         put(&mut results, "run_step_p50_ms", median(p50s));
         put(&mut results, "run_step_p99_ms", median(p99s));
+    }
+    if args.wants("turns") {
+        eprintln!(
+            "agent turns against a scripted model answering at once: time per round one at a time, turns/s with {} at once",
+            turns::AT_ONCE
+        );
+        let mut figures = Vec::new();
+        for _ in 0..r {
+            let f = turns::turns(&args).await?;
+            eprintln!(
+                "  {:.1} turns/s; round p50 {:.2} ms, p99 {:.2} ms alone; p50 {:.2} ms, p99 {:.2} ms with {} at once; worker peak RSS {:.1} MiB",
+                f.turns_per_sec,
+                f.round_p50_ms,
+                f.round_p99_ms,
+                f.round_loaded_p50_ms,
+                f.round_loaded_p99_ms,
+                turns::AT_ONCE,
+                f.worker_rss_mib
+            );
+            figures.push(f);
+        }
+        let med = |g: fn(&turns::TurnFigures) -> f64| median(figures.iter().map(g).collect());
+        put(&mut results, "turns_per_sec", med(|f| f.turns_per_sec));
+        put(&mut results, "turn_round_p50_ms", med(|f| f.round_p50_ms));
+        put(&mut results, "turn_round_p99_ms", med(|f| f.round_p99_ms));
+        put(&mut results, "turn_round_at32_p50_ms", med(|f| f.round_loaded_p50_ms));
+        put(&mut results, "turn_round_at32_p99_ms", med(|f| f.round_loaded_p99_ms));
+        let rss = figures.iter().map(|f| f.worker_rss_mib).fold(0.0, f64::max);
+        put(&mut results, "turn_worker_peak_rss_mib", rss);
+        rss_seen = rss_seen.max(rss);
     }
     if args.wants("sandbox") {
         eprintln!("sandboxed no-op task, start to end, {} runs of each kind", args.sandbox_runs);

@@ -38,6 +38,32 @@ pub fn bin_path(name: &str) -> PathBuf {
     path
 }
 
+/// The Python interpreter of the test tools' virtual environment (`tests/python/
+/// requirements.txt`: the `mcp` SDK, `standardwebhooks`, `openapi-spec-validator`):
+/// `AIRLOCK_TEST_PYTHON` as `scripts/test` exports it, else the environment
+/// `scripts/lib/python.sh` prepares (installing it from PyPI when missing). Panics, loudly,
+/// when neither gives an interpreter: a suite that needs these clients never skips.
+pub fn python() -> PathBuf {
+    static PYTHON: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            if let Some(path) = std::env::var_os("AIRLOCK_TEST_PYTHON") {
+                return PathBuf::from(path);
+            }
+            let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+            let out = Command::new("bash")
+                .arg("-c")
+                .arg(". scripts/lib/python.sh && airlock_python_venv && printf %s \"$AIRLOCK_TEST_PYTHON\"")
+                .current_dir(&root)
+                .stderr(Stdio::inherit())
+                .output()
+                .expect("running scripts/lib/python.sh");
+            assert!(out.status.success(), "scripts/lib/python.sh could not prepare the test tools' environment");
+            PathBuf::from(String::from_utf8(out.stdout).expect("an interpreter path"))
+        })
+        .clone()
+}
+
 /// Spawns a real `airlock-*` binary with the given database and extra environment.
 /// Standard output is piped; logs go to stderr (shown with `--nocapture`).
 pub fn spawn(binary: &str, args: &[&str], db_url: &str, env: &[(&str, &str)]) -> Child {

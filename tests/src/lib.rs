@@ -2,7 +2,8 @@
 //! group binaries under `tests/tests/`).
 //!
 //! A tour:
-//! - [`harness`]: finds binaries and databases, spawns processes, waits with bounds.
+//! - [`harness`]: finds binaries, databases and the Python test tools, spawns processes,
+//!   waits with bounds.
 //! - [`app`]: [`app::TestApp`], the whole system in-process on port 0 against a fresh
 //!   database, with a real SMTP server and webhook receiver.
 //! - [`smtp`]: an in-process SMTP server (STARTTLS, implicit TLS or plain) with

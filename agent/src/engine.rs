@@ -51,6 +51,9 @@ pub enum Drove {
     Waiting,
     /// Another driver holds the turn, or nothing is left to do here.
     NotMine,
+    /// Another turn of the same run is being driven (turns of one run take it one at a
+    /// time): the job runs again shortly and resumes this turn from its log.
+    Busy,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -151,6 +154,9 @@ impl Engine {
         }
         if t.state == TurnState::AuthorizationRequired {
             return Ok(Drove::NotMine);
+        }
+        if self.another_turn_drives(&t).await? {
+            return Ok(Drove::Busy);
         }
         let run = match airlock_runs::run::claim(&self.pool, t.run_id, &t.agent, &format!("turn:{id}")).await {
             Ok(r) => r,
@@ -740,8 +746,27 @@ impl Engine {
         }
     }
 
+    /// The driver's epoch was refused. When the turn is still this driver's, another holder
+    /// took the run (another turn of it, two having claimed at once): this turn is not
+    /// over, so it is driven again once the run is free. Otherwise another driver has it.
     async fn stopped(&self, d: &Driver) -> Result<Drove, EngineError> {
-        self.now(d.turn.id).await
+        match turn::get(&self.pool, d.turn.id, None).await? {
+            Some(t) if t.state.is_terminal() => Ok(Drove::Ended(t.state)),
+            Some(t) if t.state == TurnState::Running && t.epoch == d.epoch => Ok(Drove::Busy),
+            _ => Ok(Drove::NotMine),
+        }
+    }
+
+    /// Whether another turn of `t`'s run holds the run and is being driven.
+    async fn another_turn_drives(&self, t: &Turn) -> Result<bool, EngineError> {
+        let Some(run) = airlock_runs::run::get_any(&self.pool, t.run_id).await? else { return Ok(false) };
+        let Some(other) = run.holder.strip_prefix("turn:").and_then(|s| s.parse::<TurnId>().ok()) else {
+            return Ok(false);
+        };
+        if other == t.id {
+            return Ok(false);
+        }
+        Ok(turn::get(&self.pool, other, None).await?.is_some_and(|o| o.state == TurnState::Running))
     }
 
     /// The run refused a write: ended, taken by another holder, or over its budget.

@@ -1,9 +1,10 @@
 //! The agent-turns figures: airlock's own time per round (everything between two model
 //! calls of a turn: the answer parsed and recorded, the tool called and its result
 //! recorded, the next context rendered — the model call itself excluded), and turns
-//! completed per second with 32 at once. A real `airlock-api` and `airlock-worker` on a
-//! database of their own, against a scripted OpenAI-compatible server in this process
-//! that answers at once: a tool call (`journal.search`), another, then a final answer.
+//! completed per second with 32 at once (on 32 runs: the turns of one run take it one at a
+//! time). A real `airlock-api` and `airlock-worker` on a database of their own, against a
+//! scripted OpenAI-compatible server in this process that answers at once: a tool call
+//! (`journal.search`), another, then a final answer.
 
 use std::collections::HashMap;
 use std::process::Command;
@@ -169,13 +170,18 @@ pub async fn turns(args: &Args) -> anyhow::Result<TurnFigures> {
     }
     let alone = round_gaps(&seen);
 
-    // 32 at once: each client asks for its next turn as soon as its last one ended.
+    // 32 at once, each client on a run of its own (the turns of one run take it one at a
+    // time): each asks for its next turn as soon as its last one ended.
+    let mut runs = Vec::new();
+    for _ in 0..AT_ONCE {
+        let v = post(format!("{url}/v1/runs"), json!({})).await?;
+        runs.push(v.get("id").and_then(Value::as_str).context("run id")?.to_string());
+    }
     let started = Instant::now();
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut clients = tokio::task::JoinSet::new();
-    for _ in 0..AT_ONCE {
-        let (next, http, token, url, run, pool) =
-            (next.clone(), http.clone(), token.clone(), url.clone(), run.clone(), db.pool.clone());
+    for run in runs {
+        let (next, http, token, url, pool) = (next.clone(), http.clone(), token.clone(), url.clone(), db.pool.clone());
         clients.spawn(async move {
             loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

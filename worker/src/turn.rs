@@ -15,6 +15,9 @@ use airlock_queue::Waker;
 
 use crate::handler::{BoxFuture, Handler, HandlerError, JobContext, Outcome, Registry};
 
+/// How soon a turn waiting for another turn of its run looks again.
+const BUSY_AGAIN: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// Declared HTTP tools reached through the webhook transport: the same allow-list,
 /// signatures and limits as a webhook delivery.
 pub struct WebhookTransport(pub airlock_channels::webhook::WebhookSender);
@@ -67,6 +70,8 @@ impl Handler for TurnHandler {
             match engine.drive(id, ctx.lease(), &ctx.cancel).await {
                 Ok(Drove::Ended(_) | Drove::NotMine) => Ok(Outcome::Completed),
                 Ok(Drove::Paused | Drove::Waiting) => Ok(Outcome::Finalized),
+                // Another turn of the run is being driven: look again shortly, no attempt spent.
+                Ok(Drove::Busy) => Ok(Outcome::Snooze(BUSY_AGAIN)),
                 Err(EngineError::Stopped) => Err(HandlerError::retry("the worker stopped mid-turn")),
                 Err(EngineError::Retry(m)) => {
                     let last = ctx.job.attempt >= ctx.job.max_attempts;

@@ -310,6 +310,57 @@ async fn a_tool_result_is_untrusted_data_and_changes_no_scope_grant_or_catalogue
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn turns_of_one_run_started_at_once_take_the_run_in_turn_and_all_complete(pool: PgPool) {
+    let (app, model, _w) = start(pool, &[("AIRLOCK__WORKER__CONCURRENCY", "6")]).await;
+    let run = app.create_run(0).await;
+    // Each turn calls the idempotent tool for its own customer, then answers.
+    model.respond_with(|req| {
+        let messages = req["messages"].as_array().unwrap();
+        let customer = messages.iter().find(|m| m["role"] == "user").unwrap()["content"].as_str().unwrap().to_string();
+        if messages.last().unwrap()["role"] == "tool" {
+            fin(&format!("noted {customer}"))
+        } else {
+            call("crm_update", json!({"customer": customer}))
+        }
+    });
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        let mut body = turn_body(&format!("together-{i}"), &["crm_update"]);
+        body["input"] = json!(format!("customer-{i}"));
+        ids.push(new_turn(&app, &run, body).await);
+    }
+    // Every turn ends, none left running by another turn's claim of the run.
+    for (i, id) in ids.iter().enumerate() {
+        let t = wait_turn(&app, id, ENDED).await;
+        assert_eq!(t["state"], "completed", "{t}");
+        assert_eq!((t["rounds"].as_i64(), t["tool_calls"].as_i64()), (Some(2), Some(1)), "{t}");
+        assert_eq!(t["final"]["text"], format!("noted customer-{i}"));
+    }
+    // Each turn's call reached the tool once, for its customer, under a key of its own.
+    let hits = app.hooks.hits();
+    let mut customers: Vec<String> = hits
+        .iter()
+        .map(|h| serde_json::from_slice::<Value>(&h.body).unwrap()["customer"].as_str().unwrap().to_string())
+        .collect();
+    customers.sort();
+    assert_eq!(customers, (0..6).map(|i| format!("customer-{i}")).collect::<Vec<_>>());
+    let keys: std::collections::HashSet<_> = hits.iter().map(|h| h.idempotency_key.clone().unwrap()).collect();
+    assert_eq!(keys.len(), 6);
+    // The run's log holds every turn's rounds and call, once each.
+    let steps =
+        count(&app.pool, "SELECT count(*) FROM run_steps WHERE run_id = $1::uuid AND step_id LIKE 'together-%'", &run)
+            .await;
+    let models = count(
+        &app.pool,
+        "SELECT count(*) FROM run_steps WHERE run_id = $1::uuid AND step_id LIKE 'together-%/model'",
+        &run,
+    )
+    .await;
+    assert_eq!(models, 12, "two model answers per turn");
+    assert!(steps >= 12 + 6, "{steps} steps");
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn caps_the_repeated_failure_stop_and_an_unavailable_model_end_turns(pool: PgPool) {
     let (app, model, _w) = start(pool, &[]).await;
     let run = app.create_run(0).await;

@@ -76,6 +76,8 @@ pub const ROUTES: &[RouteRule] = &[
     RouteRule { method: "POST", path: "/v1/tasks", access: Access::Agent },
     RouteRule { method: "GET", path: "/v1/tasks/{id}", access: Access::Agent },
     RouteRule { method: "POST", path: "/mcp", access: Access::Agent },
+    RouteRule { method: "GET", path: "/mcp", access: Access::Agent },
+    RouteRule { method: "DELETE", path: "/mcp", access: Access::Agent },
     RouteRule { method: "GET", path: "/healthz", access: Access::Public },
     RouteRule { method: "GET", path: "/readyz", access: Access::Public },
     RouteRule { method: "GET", path: "/metrics", access: Access::Public },
@@ -112,7 +114,7 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(cancel_delivery))
         .routes(routes!(tasks::create_task))
         .routes(routes!(tasks::get_task))
-        .routes(routes!(mcp::mcp))
+        .routes(routes!(mcp::mcp, mcp::mcp_stream, mcp::mcp_end))
 }
 
 /// The OpenAPI document of this service.

@@ -106,3 +106,25 @@ pub async fn mcp(axum::Extension(service): axum::Extension<McpService>, req: Req
         Err(never) => match never {},
     }
 }
+
+/// No standing event stream: every answer is the POST's own (405, as MCP says of a server
+/// that offers none).
+#[utoipa::path(get, path = "/mcp",
+    responses((status = 405, description = "no standing event stream: POST each message"),
+        (status = 401, description = "no valid token"), (status = 403, description = "not an agent token")))]
+pub async fn mcp_stream() -> Response {
+    method_not_allowed()
+}
+
+/// No session to end: the server keeps none (405, as MCP says of a server that does not
+/// let clients end sessions).
+#[utoipa::path(delete, path = "/mcp",
+    responses((status = 405, description = "no session to end"),
+        (status = 401, description = "no valid token"), (status = 403, description = "not an agent token")))]
+pub async fn mcp_end() -> Response {
+    method_not_allowed()
+}
+
+fn method_not_allowed() -> Response {
+    (axum::http::StatusCode::METHOD_NOT_ALLOWED, [(axum::http::header::ALLOW, "POST")]).into_response()
+}

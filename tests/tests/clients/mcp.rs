@@ -264,6 +264,14 @@ async fn hostile_input_at_mcp_is_refused_and_writes_nothing(pool: PgPool) {
         .unwrap();
     assert_eq!(resp.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
 
+    // No standing event stream and no session to end: every answer is the POST's.
+    for method in [reqwest::Method::GET, reqwest::Method::DELETE] {
+        let resp = app.http.request(method.clone(), format!("{}/mcp", app.api)).bearer_auth(&app.agent).send().await;
+        let resp = resp.unwrap();
+        assert_eq!(resp.status(), StatusCode::METHOD_NOT_ALLOWED, "{method}");
+        assert_eq!(resp.headers()["allow"], "POST");
+    }
+
     // A tool that does not exist is a protocol error (invalid params), its name not run.
     let (status, text) = mcp_post(&app, token, &call(2, "resolve_effect", json!({}))).await;
     assert_eq!(status, StatusCode::OK, "{text}");

@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# One image with the three airlock binaries; the compose service's command picks one.
+# One image with the airlock binaries; the compose service's command picks one
+# (`airlock-mcp` is there for an MCP client that starts it with `docker run -i`).
 # bubblewrap isolates sandboxed tasks, slirp4netns gives tiers with a network theirs (a
 # worker that runs sandbox jobs refuses to start when it cannot isolate them).
 # Dependencies are built in their own layer (cargo-chef), so a code change rebuilds only
@@ -17,14 +18,15 @@ FROM chef AS builder
 COPY --from=planner /src/recipe.json recipe.json
 RUN cargo chef cook --release --locked --recipe-path recipe.json
 COPY . .
-RUN cargo build --release --locked --bin airlock-api --bin airlock-admin --bin airlock-worker
+RUN cargo build --release --locked --bin airlock-api --bin airlock-admin --bin airlock-worker --bin airlock-mcp
 
 FROM debian:bookworm-slim AS runtime
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates bubblewrap slirp4netns \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --home-dir /var/lib/airlock --create-home airlock
-COPY --from=builder /src/target/release/airlock-api /src/target/release/airlock-admin /src/target/release/airlock-worker /usr/local/bin/
+COPY --from=builder /src/target/release/airlock-api /src/target/release/airlock-admin /src/target/release/airlock-worker \
+     /src/target/release/airlock-mcp /usr/local/bin/
 USER 10001:10001
 WORKDIR /var/lib/airlock
 ENV AIRLOCK_LOG_FORMAT=json \

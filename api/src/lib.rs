@@ -3,7 +3,8 @@
 //! Every route but the health checks needs an agent's bearer token, and an agent sees only
 //! its own runs, deliveries and tasks (anything else is 404, so ids do not leak). [`router`]
 //! builds the service so tests can start it in-process; `main.rs` binds it. [`runs`] holds
-//! the durable-run routes, [`turns`] the agent turns', [`tasks`] the sandboxed tasks'.
+//! the durable-run routes, [`turns`] the agent turns', [`tasks`] the sandboxed tasks',
+//! [`mcp`] the same routes as Model Context Protocol tools at `/mcp`.
 
 use std::sync::Arc;
 
@@ -25,6 +26,7 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+pub mod mcp;
 pub mod runs;
 pub mod tasks;
 pub mod turns;
@@ -73,6 +75,9 @@ pub const ROUTES: &[RouteRule] = &[
     RouteRule { method: "POST", path: "/v1/deliveries/{id}/cancel", access: Access::Agent },
     RouteRule { method: "POST", path: "/v1/tasks", access: Access::Agent },
     RouteRule { method: "GET", path: "/v1/tasks/{id}", access: Access::Agent },
+    RouteRule { method: "POST", path: "/mcp", access: Access::Agent },
+    RouteRule { method: "GET", path: "/mcp", access: Access::Agent },
+    RouteRule { method: "DELETE", path: "/mcp", access: Access::Agent },
     RouteRule { method: "GET", path: "/healthz", access: Access::Public },
     RouteRule { method: "GET", path: "/readyz", access: Access::Public },
     RouteRule { method: "GET", path: "/metrics", access: Access::Public },
@@ -109,6 +114,7 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(cancel_delivery))
         .routes(routes!(tasks::create_task))
         .routes(routes!(tasks::get_task))
+        .routes(routes!(mcp::mcp, mcp::mcp_stream, mcp::mcp_end))
 }
 
 /// The OpenAPI document of this service.
@@ -128,7 +134,10 @@ pub fn router(state: AppState) -> Router {
         body_limit,
         airlock_delivery::metrics::gauges,
     );
-    router.with_state(state)
+    // `/mcp` calls the same routes in process, behind its own authorization and hardening.
+    let (routes, _) = documented_routes().layer(axum::extract::DefaultBodyLimit::max(body_limit)).split_for_parts();
+    let mcp = mcp::service(routes.with_state(state.clone()), body_limit);
+    router.layer(axum::Extension(mcp)).with_state(state)
 }
 
 /// Hands an email or a webhook call to airlock. Idempotent on (run_id, step_id).

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod mcp;
 mod runs;
 mod sandbox;
 mod turns;
@@ -54,7 +55,7 @@ struct Args {
     #[arg(long, default_value_t = 300)]
     sandbox_runs: usize,
     /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline, runs, turns,
-    /// sandbox), for
+    /// sandbox, mcp), for
     /// profiling; a partial run (of parts, modes or worker counts) prints its table but
     /// writes no result file.
     #[arg(long, value_delimiter = ',')]
@@ -806,6 +807,30 @@ async fn main() -> anyhow::Result<()> {
         put(&mut results, "sandbox_noop_bubblewrap_p50_ms", boxed.p(0.5));
         put(&mut results, "sandbox_noop_bubblewrap_p99_ms", boxed.p(0.99));
         put(&mut results, "sandbox_isolation_added_p99_ms", boxed.p(0.99) - plain.p(0.99));
+    }
+    if args.wants("mcp") {
+        eprintln!(
+            "get_delivery over MCP (/mcp, tools/call) and over HTTP (GET /v1/deliveries/{{id}}), alternating, one at a time"
+        );
+        let mut figures = Vec::new();
+        for _ in 0..r {
+            let f = mcp::mcp(&args).await?;
+            eprintln!(
+                "  HTTP p50 {:.2} ms, p99 {:.2} ms; MCP p50 {:.2} ms, p99 {:.2} ms; MCP p99 / HTTP p99 {:.2}",
+                f.http_p50_ms,
+                f.http_p99_ms,
+                f.mcp_p50_ms,
+                f.mcp_p99_ms,
+                f.mcp_p99_ms / f.http_p99_ms
+            );
+            figures.push(f);
+        }
+        let med = |g: fn(&mcp::McpFigures) -> f64| median(figures.iter().map(g).collect());
+        put(&mut results, "get_delivery_http_p50_ms", med(|f| f.http_p50_ms));
+        put(&mut results, "get_delivery_http_p99_ms", med(|f| f.http_p99_ms));
+        put(&mut results, "get_delivery_mcp_p50_ms", med(|f| f.mcp_p50_ms));
+        put(&mut results, "get_delivery_mcp_p99_ms", med(|f| f.mcp_p99_ms));
+        put(&mut results, "get_delivery_mcp_p99_ratio_to_http", med(|f| f.mcp_p99_ms / f.http_p99_ms));
     }
     put(&mut results, "worker_peak_rss_mib", rss_seen);
 

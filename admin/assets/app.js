@@ -99,11 +99,11 @@ function ask({ title, text, label = "Note", extra = [], action }) {
   $("ask-note").value = "";
   $("ask-error").textContent = "";
   $("ask-fields").replaceChildren(...extra.map((f) => h("div", { class: "field" },
-    h("label", { for: "ask-" + f.id }, f.label),
+    h("label", { for: "ask-field-" + f.id }, f.label),
     f.multiline
-      ? h("textarea", { id: "ask-" + f.id, rows: f.rows || 6 })
-      : h("input", { id: "ask-" + f.id, type: "text" }))));
-  for (const f of extra) $("ask-" + f.id).value = f.value ?? "";
+      ? h("textarea", { id: "ask-field-" + f.id, rows: f.rows || 6 })
+      : h("input", { id: "ask-field-" + f.id, type: "text" }))));
+  for (const f of extra) $("ask-field-" + f.id).value = f.value ?? "";
   const form = $("ask-form");
   const opener = document.activeElement;
   form.onsubmit = async (ev) => {
@@ -114,7 +114,7 @@ function ask({ title, text, label = "Note", extra = [], action }) {
       $("ask-note").focus();
       return;
     }
-    const fields = Object.fromEntries(extra.map((f) => [f.id, $("ask-" + f.id).value]));
+    const fields = Object.fromEntries(extra.map((f) => [f.id, $("ask-field-" + f.id).value]));
     $("ask-confirm").disabled = true;
     try {
       await action(note, fields);
@@ -128,7 +128,7 @@ function ask({ title, text, label = "Note", extra = [], action }) {
   $("ask-close").onclick = () => dialog.close();
   dialog.onclose = () => { if (opener && opener.isConnected) opener.focus(); };
   dialog.showModal();
-  (extra.length ? $("ask-" + extra[0].id) : $("ask-note")).focus();
+  (extra.length ? $("ask-field-" + extra[0].id) : $("ask-note")).focus();
 }
 
 // ---------------------------------------------------------------- sign-in and navigation

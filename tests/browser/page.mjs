@@ -83,7 +83,6 @@ const scenarios = {
     // The queue row shows the subject; a click opens the item.
     const row = r.page.getByRole("link", { name: subject });
     await row.waitFor();
-    await shot(r.page, "queue");
     // A reviewer has none of the operator's controls, anywhere on the page.
     for (const name of OPERATOR_CONTROLS) assert.equal(await r.page.getByRole("link", { name }).count(), 0, `reviewer sees ${name}`);
     assert.equal(await r.page.getByRole("switch").count(), 0, "reviewer sees a switch");
@@ -152,6 +151,32 @@ const scenarios = {
     // The page now shows the new version and the edit's diff.
     await r.page.getByRole("heading", { name: "Edit against what the agent submitted" }).waitFor();
     assert.equal(await r.page.locator("#item-state").textContent(), "awaiting_approval");
+    await shot(r.page, "item-edited");
+    // The reviewer edits the new version in the page, then approves theirs.
+    await r.page.getByRole("button", { name: "Edit", exact: true }).click();
+    const edit = r.page.getByRole("dialog");
+    await edit.getByLabel("Text").fill(env("AIRLOCK_PAGE_TEXT"));
+    await edit.getByLabel("Note").fill("clearer wording");
+    await edit.getByRole("button", { name: "Confirm" }).click();
+    await r.page.getByText("Edited: review the new version").waitFor();
+    await r.page.locator("pre.body", { hasText: env("AIRLOCK_PAGE_TEXT") }).waitFor();
+    await act(r.page, "Approve", "approving my wording");
+    await r.page.getByText("Approved.").waitFor();
+    sameOrigin(r.requests);
+    return {};
+  },
+
+  // A parked send settled from the "Parked" view, after finding it by its Message-ID.
+  async parked() {
+    const r = await open();
+    await signIn(r.page, env("AIRLOCK_PAGE_REVIEWER"));
+    await r.page.getByRole("link", { name: "Parked" }).click();
+    await r.page.getByText(env("AIRLOCK_PAGE_MESSAGE_ID")).waitFor();
+    await r.page.getByRole("table", { name: "Attempts" }).waitFor();
+    await shot(r.page, "parked");
+    await act(r.page, "Confirmed sent", "found it in the relay log");
+    await r.page.getByText("Confirmed sent: done.").waitFor();
+    await r.page.getByText("Nothing is parked.").waitFor();
     sameOrigin(r.requests);
     return {};
   },
@@ -210,6 +235,7 @@ const scenarios = {
     await r.page.locator("tr.row").first().waitFor();
     await r.page.getByRole("button", { name: "Load more" }).waitFor();
     const usable_ms = Date.now() - started;
+    await shot(r.page, "queue");
     const lists = () => r.requests.filter((u) => u.includes("/admin/v1/deliveries?")).length;
     const rows = () => r.page.locator("tr.row").count();
     const first = { requests: lists(), rows: await rows() };

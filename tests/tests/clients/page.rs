@@ -1,7 +1,8 @@
 //! The reviewers' and operators' page in headless Chromium (playwright-core), against the
 //! real admin and agent services, a real worker, Postgres and the SMTP server: a review
 //! that ends with one message sent once an operator turns sending on in the page; a stale
-//! approval explained; model-written HTML that stays text; a turn's call granted from the
+//! approval explained, then an edit and an approval made in the page; a parked send
+//! confirmed from the "Parked" view; model-written HTML that stays text; a turn's call granted from the
 //! page and run once; and a queue of 1,000 items shown one page at a time.
 //!
 //! `AIRLOCK_PAGE_SCREENSHOTS=<dir>` makes the scenarios save their views there (the
@@ -14,6 +15,7 @@ use airlock_tests::app::TestApp;
 use airlock_tests::browser::run_page_scenario;
 use airlock_tests::harness;
 use airlock_tests::model::{ModelServer, Reply};
+use airlock_tests::smtp::Fault;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -102,7 +104,9 @@ async fn a_reviewer_accepts_and_approves_in_the_page_and_it_is_sent_once_an_oper
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
-async fn an_approval_of_a_version_edited_meanwhile_is_explained_and_nothing_is_approved(pool: PgPool) {
+async fn an_approval_of_a_version_edited_meanwhile_is_explained_then_the_reviewer_edits_and_approves_theirs(
+    pool: PgPool,
+) {
     let app = TestApp::start(pool, &[]).await;
     let (_stop, _worker) = app.start_worker("page-worker");
     let run = app.create_run(0).await;
@@ -117,19 +121,53 @@ async fn an_approval_of_a_version_edited_meanwhile_is_explained_and_nothing_is_a
         "stale",
         &page_env(
             &app,
-            &[("AIRLOCK_PAGE_SUBJECT", subject.into()), ("AIRLOCK_PAGE_ID", id.clone()), ("AIRLOCK_PAGE_EDIT", edit)],
+            &[
+                ("AIRLOCK_PAGE_SUBJECT", subject.into()),
+                ("AIRLOCK_PAGE_ID", id.clone()),
+                ("AIRLOCK_PAGE_EDIT", edit),
+                ("AIRLOCK_PAGE_TEXT", "The new terms, in plain words.".into()),
+            ],
         ),
         SCENARIO,
     )
     .await;
+    // One approval, of the version the reviewer wrote and read last.
     let d = app.delivery(&id).await;
-    assert_eq!(d["state"], "awaiting_approval", "{d}");
-    let approvals: i64 = sqlx::query_scalar("SELECT count(*) FROM approvals WHERE delivery_id = $1::uuid")
-        .bind(&id)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    assert_eq!(approvals, 0);
+    assert_eq!(d["state"], "approved", "{d}");
+    assert_eq!(d["artifact"]["email"]["text"], "The new terms, in plain words.");
+    let approved: Vec<String> =
+        sqlx::query_scalar("SELECT artifact_sha256 FROM approvals WHERE delivery_id = $1::uuid")
+            .bind(&id)
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(approved, vec![d["artifact_sha256"].as_str().unwrap().to_string()]);
+    let audit = audit_actions(&app).await;
+    assert!(
+        audit.iter().any(|(a, b, c)| a == "delivery.edit" && b == "rita" && c.as_deref() == Some("clearer wording"))
+    );
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_parked_send_is_confirmed_from_the_parked_view_and_attested_by_the_reviewer(pool: PgPool) {
+    let app = TestApp::start(pool, &[]).await;
+    app.set_switch(true).await;
+    let (_stop, _worker) = app.start_worker("page-worker");
+    let run = app.create_run(0).await;
+    // The relay takes the message and drops the connection before answering: nobody knows.
+    app.smtp.push_faults([Fault::DropAfterData]);
+    let id = app.submit(email(&run, "draft-1", "alice@example.org", "Invoice 7", "Attached.", None)).await;
+    app.wait_state(&id, DeliveryState::AwaitingApproval, WAIT).await;
+    app.approve(&id).await;
+    let d = app.wait_state(&id, DeliveryState::Parked, WAIT).await;
+    let message_id = d["message_id"].as_str().unwrap().to_string();
+
+    run_page_scenario("parked", &page_env(&app, &[("AIRLOCK_PAGE_MESSAGE_ID", message_id)]), SCENARIO).await;
+    let d = app.wait_state(&id, DeliveryState::Sent, WAIT).await;
+    assert_eq!(d["receipt"]["attested_by"], "rita", "{d}");
+    // Confirmed, not resent: the relay saw it once.
+    assert!(app.smtp.accepted().is_empty());
+    assert_eq!(app.smtp.dropped_after_data().len(), 1);
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]

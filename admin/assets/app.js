@@ -445,7 +445,7 @@ async function viewItem(id, notice, problem) {
         h("span", { class: k === "+" ? "add" : k === "-" ? "del" : "same" }, (k === " " ? "  " : k + " ") + line + "\n")))) : null,
     (d.attempts || []).length ? table("Send attempts", ["Started", "Worker", "Lease epoch", "Outcome", "Details"],
       d.attempts.map((t) => h("tr", {}, h("td", {}, time(t.started_at)), h("td", {}, t.worker ?? "—"), h("td", {}, t.lease_attempt ?? "—"),
-        h("td", {}, t.outcome ?? "none recorded"), h("td", {}, h("pre", {}, pretty(t)))))) : null,
+        h("td", {}, t.outcome ?? "none recorded"), h("td", {}, t.detail ?? "—")))) : null,
     d.receipt ? [h("h3", {}, "Receipt"), h("pre", {}, pretty(d.receipt))] : null,
     table("History", ["At", "From", "To", "By", "Note"],
       (d.events || []).map((e) => h("tr", {}, h("td", {}, time(e.at)), h("td", {}, e.from ?? "—"), h("td", {}, e.to), h("td", {}, e.actor), h("td", {}, e.reason ?? "")))),
@@ -470,7 +470,7 @@ async function viewParked() {
         h("dt", {}, "Idempotency key"), h("dd", { class: "mono" }, d.idempotency_key),
         h("dt", {}, "Channel"), h("dd", {}, d.channel)),
       table("Attempts", ["Started", "Worker", "Outcome", "Details"], (d.attempts || []).map((t) =>
-        h("tr", {}, h("td", {}, time(t.started_at)), h("td", {}, t.worker ?? "—"), h("td", {}, t.outcome ?? "unknown"), h("td", {}, h("pre", {}, pretty(t)))))),
+        h("tr", {}, h("td", {}, time(t.started_at)), h("td", {}, t.worker ?? "—"), h("td", {}, t.outcome ?? "unknown"), h("td", {}, t.detail ?? "—")))),
       resolutionButtons(d, (done) => viewParked().then(() => $("content").prepend(flash(done)))))));
     if (page.next) box.append(flash("More are parked than shown here: resolve these first."));
   } catch (e) {

@@ -62,8 +62,9 @@ async function act(page, button, note) {
   await dialog.waitFor({ state: "hidden" });
 }
 
-async function shot(page, name) {
-  if (SHOTS) await page.screenshot({ path: path.join(SHOTS, name + ".png"), fullPage: false });
+/** Saves the view (the whole page with `full`) when AIRLOCK_PAGE_SCREENSHOTS names a directory. */
+async function shot(page, name, full = false) {
+  if (SHOTS) await page.screenshot({ path: path.join(SHOTS, name + ".png"), fullPage: full });
 }
 
 /** No request of the page left its origin. */
@@ -92,7 +93,7 @@ const scenarios = {
     await act(r.page, "Accept", "checked the recipient");
     await r.page.getByText("Accepted.").waitFor();
     assert.equal(await r.page.locator("#item-state").textContent(), "awaiting_approval");
-    await shot(r.page, "item");
+    await shot(r.page, "item", true);
     await act(r.page, "Approve", "reads well");
     await r.page.getByText("Approved.").waitFor();
     assert.equal(await r.page.locator("#item-state").textContent(), "approved");
@@ -151,7 +152,7 @@ const scenarios = {
     // The page now shows the new version and the edit's diff.
     await r.page.getByRole("heading", { name: "Edit against what the agent submitted" }).waitFor();
     assert.equal(await r.page.locator("#item-state").textContent(), "awaiting_approval");
-    await shot(r.page, "item-edited");
+    await shot(r.page, "item-edited", true);
     // The reviewer edits the new version in the page, then approves theirs.
     await r.page.getByRole("button", { name: "Edit", exact: true }).click();
     const edit = r.page.getByRole("dialog");

@@ -634,7 +634,9 @@ function viewGrants(notice) {
   const agents = h("input", { type: "text" });
   const scope = h("input", { type: "text" });
   const min = h("input", { type: "number", min: 0, max: 1, step: "0.01", value: "0.9" });
-  const expires = h("input", { type: "datetime-local" });
+  // A week from now, in the browser's time zone, as a starting point.
+  const week = new Date(Date.now() + 7 * 86400e3);
+  const expires = h("input", { type: "datetime-local", value: new Date(week.getTime() - week.getTimezoneOffset() * 60e3).toISOString().slice(0, 16) });
   const uses = h("input", { type: "number", min: 1, value: "100" });
   const reason = h("input", { type: "text" });
   const problem = h("p", { class: "error", role: "alert" });

@@ -142,7 +142,8 @@ pub enum QueuesCommand {
         #[arg(long)]
         reason: String,
     },
-    /// Every queue with unfinished jobs or a pause: depth by state, paused since when and why.
+    /// airlock's queues and any other with unfinished jobs or a pause: depth by state, paused
+    /// since when and why.
     List {
         /// One JSON document instead of lines.
         #[arg(long)]

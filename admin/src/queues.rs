@@ -119,7 +119,11 @@ pub struct QueueState {
     pub depth: std::collections::BTreeMap<String, i64>,
 }
 
-/// Every queue that holds unfinished jobs or is paused, by name.
+/// The queues airlock itself enqueues to, listed even when empty.
+const KNOWN: &[&str] = &[airlock_queue::DEFAULT_QUEUE, SEND_QUEUE, airlock_sandbox::service::QUEUE];
+
+/// airlock's own queues and every other queue that holds unfinished jobs or is paused, by
+/// name.
 pub async fn list(pool: &PgPool) -> Result<Vec<QueueState>, airlock_queue::QueueError> {
     let counts = airlock_queue::count_by_queue_state(pool).await?;
     let pauses = airlock_queue::list_pauses(pool).await?;
@@ -131,6 +135,9 @@ pub async fn list(pool: &PgPool) -> Result<Vec<QueueState>, airlock_queue::Queue
         reason: None,
         depth: Default::default(),
     };
+    for name in KNOWN {
+        out.insert(name.to_string(), blank(name));
+    }
     for c in counts {
         let q = out.entry(c.queue.clone()).or_insert_with(|| blank(&c.queue));
         q.depth.insert(c.state.as_str().to_string(), c.count);
@@ -151,7 +158,7 @@ pub(crate) struct PauseBody {
 }
 
 /// Queues with their depth and whether they are paused.
-#[utoipa::path(get, path = "/admin/v1/queues", responses((status = 200, description = "every queue with unfinished jobs or a pause: depth by state, paused since when and why")))]
+#[utoipa::path(get, path = "/admin/v1/queues", responses((status = 200, description = "airlock's own queues and every queue with unfinished jobs or a pause: depth by state, paused since when and why")))]
 pub(crate) async fn list_queues(
     State(pool): State<PgPool>,
     auth: Auth,

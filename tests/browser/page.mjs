@@ -124,6 +124,33 @@ const scenarios = {
     await o.page.getByRole("heading", { name: "Queues", exact: true }).waitFor();
     await o.page.getByRole("table", { name: "Workers, live first" }).waitFor();
     await shot(o.page, "operator-fleet");
+    // Pausing a queue from the page, and resuming it, each with a reason.
+    await o.page.getByRole("button", { name: "Pause default" }).click();
+    await o.page.getByRole("dialog").getByLabel("Reason").fill("scorer upgrade");
+    await o.page.getByRole("dialog").getByRole("button", { name: "Confirm" }).click();
+    await o.page.getByText("Paused.").waitFor();
+    await o.page.getByRole("cell", { name: "scorer upgrade" }).waitFor();
+    await o.page.getByRole("button", { name: "Resume default" }).click();
+    await o.page.getByRole("dialog").getByLabel("Reason").fill("upgrade done");
+    await o.page.getByRole("dialog").getByRole("button", { name: "Confirm" }).click();
+    await o.page.getByText("Resumed.").waitFor();
+    // A grant created and revoked in the page.
+    await o.page.getByRole("link", { name: "Grants" }).click();
+    const form = o.page.getByRole("form", { name: "New grant" });
+    await form.getByLabel("Agent ids (comma-separated)").fill("agent-1");
+    await form.getByLabel("Recipient domains or webhook origins (comma-separated)").fill("example.org");
+    assert.match(await form.getByLabel("Expires at").inputValue(), /^\d{4}-\d\d-\d\dT\d\d:\d\d$/);
+    await form.getByLabel("Reason").fill("weekly newsletter");
+    await form.getByRole("button", { name: "Create grant" }).click();
+    await o.page.getByText("Grant created.").waitFor();
+    await o.page.getByRole("cell", { name: "live" }).waitFor();
+    await o.page.getByRole("button", { name: "Revoke" }).click();
+    await o.page.getByRole("dialog").getByLabel("Reason").fill("newsletter paused");
+    await o.page.getByRole("dialog").getByRole("button", { name: "Confirm" }).click();
+    await o.page.getByText("Revoked.").waitFor();
+    await o.page.getByRole("cell", { name: "revoked" }).waitFor();
+    await o.page.getByRole("link", { name: "Audit log" }).click();
+    await o.page.getByRole("cell", { name: "grant.revoke" }).waitFor();
     sameOrigin(o.requests);
     assert.deepEqual(o.errors, []);
     return { reviewer_requests: r.requests.length, operator_requests: o.requests.length };
@@ -224,6 +251,10 @@ const scenarios = {
     assert.equal(await r.page.getByRole("button", { name: "Deny" }).count(), 1);
     await act(r.page, "Grant", "invoice 7 checked");
     await r.page.getByText("Granted: the turn resumes.").waitFor();
+    await r.page.getByText("No call is waiting.").waitFor();
+    // The run's replay log, from the list of runs.
+    await r.page.getByRole("table", { name: "Runs, oldest first" }).getByRole("link").first().click();
+    await r.page.getByRole("table", { name: "Replay log" }).getByRole("cell", { name: "model_output" }).first().waitFor();
     sameOrigin(r.requests);
     return {};
   },

@@ -96,6 +96,12 @@ async fn a_reviewer_accepts_and_approves_in_the_page_and_it_is_sent_once_an_oper
     assert!(has("delivery.accept", "rita", "checked the recipient"), "{audit:?}");
     assert!(has("delivery.approve", "rita", "reads well"), "{audit:?}");
     assert!(has("send_switch.set", "otto", "morning check done"), "{audit:?}");
+    assert!(has("queue.pause", "otto", "scorer upgrade") && has("queue.resume", "otto", "upgrade done"), "{audit:?}");
+    assert!(
+        has("grant.create", "otto", "weekly newsletter") && has("grant.revoke", "otto", "newsletter paused"),
+        "{audit:?}"
+    );
+    assert!(airlock_queue::paused_queues(&app.pool).await.unwrap().is_empty());
     // The switch did not move without a reason: one flip only.
     assert_eq!(audit.iter().filter(|(a, ..)| a == "send_switch.set").count(), 1, "{audit:?}");
     // Nothing else was sent, a little later either.

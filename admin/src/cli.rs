@@ -1,4 +1,5 @@
-//! The `airlock-admin` command line.
+//! The `airlock-admin` command line: the service, and the operator's actions for scripts
+//! and runbooks (the send switch, queue pauses, jobs, tokens), each audited.
 
 use airlock_core::config::Config;
 use airlock_core::principals::{self, Role};
@@ -34,6 +35,16 @@ pub enum Command {
     Jobs {
         #[command(subcommand)]
         command: JobsCommand,
+    },
+    /// The global send switch (audited, as the route).
+    Switch {
+        #[command(subcommand)]
+        command: SwitchCommand,
+    },
+    /// Named queues: pause or resume claims from one (audited), list them with their depth.
+    Queues {
+        #[command(subcommand)]
+        command: QueuesCommand,
     },
     /// The audit log.
     Audit {
@@ -88,6 +99,55 @@ pub enum JobsCommand {
         /// Why (recorded in the audit log).
         #[arg(long)]
         reason: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum SwitchCommand {
+    /// Allow sending: approved deliveries go out.
+    On {
+        /// Why (recorded in the audit log).
+        #[arg(long)]
+        reason: String,
+    },
+    /// Stop sending: approved deliveries wait; nothing is lost.
+    Off {
+        /// Why (recorded in the audit log).
+        #[arg(long)]
+        reason: String,
+    },
+    /// Print whether sending is on, who set it, when and why.
+    Status {
+        /// One JSON object instead of a line.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum QueuesCommand {
+    /// Stop workers claiming from a queue (running jobs go on).
+    Pause {
+        /// The queue's name.
+        name: String,
+        /// Why (recorded in the audit log).
+        #[arg(long)]
+        reason: String,
+    },
+    /// Let workers claim from a paused queue again.
+    Resume {
+        /// The queue's name.
+        name: String,
+        /// Why (recorded in the audit log).
+        #[arg(long)]
+        reason: String,
+    },
+    /// airlock's queues and any other with unfinished jobs or a pause: depth by state, paused
+    /// since when and why.
+    List {
+        /// One JSON document instead of lines.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -258,6 +318,66 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         },
         Command::Sandbox { command } => crate::sandbox::run_cli(&pool, &cfg, command).await,
+        Command::Switch { command } => {
+            let s = match command {
+                SwitchCommand::On { reason } => {
+                    airlock_delivery::pipeline::set_send_enabled_as(&pool, &cli_actor(), "admin", true, Some(&reason))
+                        .await?
+                }
+                SwitchCommand::Off { reason } => {
+                    airlock_delivery::pipeline::set_send_enabled_as(&pool, &cli_actor(), "admin", false, Some(&reason))
+                        .await?
+                }
+                SwitchCommand::Status { json: true } => {
+                    println!("{}", serde_json::to_string(&airlock_delivery::store::send_switch(&pool).await?)?);
+                    return Ok(());
+                }
+                SwitchCommand::Status { json: false } => airlock_delivery::store::send_switch(&pool).await?,
+            };
+            println!(
+                "send switch {} (set by {} at {}: {})",
+                if s.enabled { "on" } else { "off" },
+                s.updated_by,
+                s.updated_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                s.reason
+            );
+            Ok(())
+        }
+        Command::Queues { command } => {
+            let (name, pause, reason) = match command {
+                QueuesCommand::Pause { name, reason } => (name, true, reason),
+                QueuesCommand::Resume { name, reason } => (name, false, reason),
+                QueuesCommand::List { json } => {
+                    let queues = crate::queues::list(&pool).await?;
+                    if json {
+                        println!("{}", serde_json::to_string(&queues)?);
+                        return Ok(());
+                    }
+                    println!(
+                        "{:<24} {:<7} {:>9} {:>7} {:>6}  reason",
+                        "queue", "state", "available", "running", "parked"
+                    );
+                    for q in queues {
+                        let n = |s: &str| q.depth.get(s).copied().unwrap_or(0);
+                        println!(
+                            "{:<24} {:<7} {:>9} {:>7} {:>6}  {}",
+                            q.name,
+                            if q.paused { "paused" } else { "active" },
+                            n("available"),
+                            n("running"),
+                            n("parked"),
+                            q.reason.as_deref().unwrap_or("-")
+                        );
+                    }
+                    return Ok(());
+                }
+            };
+            let actor = cli_actor();
+            let q = crate::queues::set_paused(&pool, crate::queues::Operator::Cli(&actor), &name, pause, Some(&reason))
+                .await?;
+            println!("queue {} {}", q.name, if q.paused { "paused" } else { "resumed" });
+            Ok(())
+        }
         Command::ReplayEval { run, endpoint, model, json, timeout_seconds } => {
             let run: airlock_core::ids::RunId =
                 run.parse().map_err(|_| anyhow::anyhow!("--run: `{run}` is not a run id"))?;

@@ -11,11 +11,13 @@
 //! - [`turns`]: the calls of agent turns waiting for a human (grant bound to the arguments'
 //!   hash, deny), and one turn.
 //! - [`sandbox`]: the operator's sandbox routes and the `sandbox report` command.
+//! - [`queues`]: queue pauses by hand (routes and the command line), and who is signed in.
 //! - [`page`]: the web page served at `/`.
 
 pub mod capsule;
 pub mod cli;
 pub mod page;
+pub mod queues;
 pub mod replay;
 pub mod runs;
 pub mod sandbox;

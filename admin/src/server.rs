@@ -68,6 +68,10 @@ pub const ROUTES: &[RouteRule] = &[
     RouteRule { method: "GET", path: "/admin/v1/agents/{id}", access: OPERATOR },
     RouteRule { method: "POST", path: "/admin/v1/agents/{id}/migrations", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/migrations/{id}", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/me", access: REVIEWER },
+    RouteRule { method: "GET", path: "/admin/v1/queues", access: OPERATOR },
+    RouteRule { method: "POST", path: "/admin/v1/queues/{name}/pause", access: OPERATOR },
+    RouteRule { method: "POST", path: "/admin/v1/queues/{name}/resume", access: OPERATOR },
     RouteRule { method: "GET", path: "/", access: Access::Public },
     RouteRule { method: "GET", path: "/app.js", access: Access::Public },
     RouteRule { method: "GET", path: "/app.css", access: Access::Public },
@@ -119,6 +123,10 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(crate::turns::get_turn))
         .routes(routes!(crate::runs::cancel_run))
         .routes(routes!(crate::runs::resolve_effect))
+        .routes(routes!(crate::queues::me))
+        .routes(routes!(crate::queues::list_queues))
+        .routes(routes!(crate::queues::pause))
+        .routes(routes!(crate::queues::resume))
         .merge(crate::capsule::routes())
         .routes(routes!(crate::page::index))
         .routes(routes!(crate::page::script))
@@ -152,7 +160,7 @@ struct ListQuery {
     cursor: Option<String>,
 }
 
-#[utoipa::path(get, path = "/admin/v1/deliveries", params(ListQuery), responses((status = 200, description = "deliveries, oldest first")))]
+#[utoipa::path(get, path = "/admin/v1/deliveries", params(ListQuery), responses((status = 200, description = "deliveries, oldest first, each with its subject or URL and its score; `state` may list several states separated by commas"), (status = 400, description = "an unknown state, a bad limit or a cursor this service did not issue")))]
 async fn list_deliveries(
     State(pool): State<PgPool>,
     auth: Auth,
@@ -160,18 +168,23 @@ async fn list_deliveries(
 ) -> Result<Json<Page<Value>>, ApiError> {
     auth.require(Role::Reviewer)?;
     let limit = page_limit(q.limit)?;
-    let state = match q.state.as_deref() {
-        None | Some("") => None,
-        Some(s) => {
-            Some(DeliveryState::parse(s).ok_or_else(|| ApiError::validation(format!("state: unknown state `{s}`")))?)
-        }
+    // One state, or several separated by commas (the review queue is two).
+    let states = match q.state.as_deref() {
+        None | Some("") => Vec::new(),
+        Some(list) => list
+            .split(',')
+            .map(|s| DeliveryState::parse(s).ok_or_else(|| ApiError::validation(format!("state: unknown state `{s}`"))))
+            .collect::<Result<Vec<_>, _>>()?,
     };
     let after = decode_time_cursor(q.cursor.as_deref())?;
-    let rows = store::list(&pool, state, after, limit + 1).await?;
+    let rows = store::list(&pool, &states, after, limit + 1).await?;
     let more = rows.len() as i64 > limit;
     let rows = &rows[..rows.len().min(limit as usize)];
     let next = next_time_cursor(more, rows.last().map(|last| (last.created_at, last.id)));
-    Ok(Json(Page { items: rows.iter().map(view::summary).collect(), next }))
+    let ids: Vec<_> = rows.iter().map(|d| d.id).collect();
+    let previews = store::previews(&pool, &ids).await?;
+    let items = rows.iter().map(|d| view::row(d, previews.iter().find(|p| p.id == d.id))).collect();
+    Ok(Json(Page { items, next }))
 }
 
 #[utoipa::path(get, path = "/admin/v1/deliveries/{id}", params(("id" = String, Path, description = "delivery id")), responses((status = 200, description = "everything, artifact included"), (status = 404)))]
@@ -324,11 +337,13 @@ async fn put_send_enabled(
 #[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 struct AuditQuery {
+    /// Only the entries of this action (`send_switch.set`: the switch's history).
+    action: Option<String>,
     limit: Option<i64>,
     cursor: Option<String>,
 }
 
-#[utoipa::path(get, path = "/admin/v1/audit", params(AuditQuery), responses((status = 200, description = "the audit log, newest first")))]
+#[utoipa::path(get, path = "/admin/v1/audit", params(AuditQuery), responses((status = 200, description = "the audit log, newest first (of one action with `action`)"), (status = 400, description = "a bad limit, action or cursor")))]
 async fn list_audit(
     State(pool): State<PgPool>,
     auth: Auth,
@@ -340,7 +355,10 @@ async fn list_audit(
         None => None,
         Some(c) => Some(decode_cursor(c)?.parse::<i64>().map_err(|_| ApiError::validation("cursor: malformed"))?),
     };
-    let mut rows = airlock_core::audit::list(&pool, before, limit + 1).await?;
+    if let Some(a) = &q.action {
+        airlock_http::printable("action", a)?;
+    }
+    let mut rows = airlock_core::audit::list(&pool, q.action.as_deref(), before, limit + 1).await?;
     let more = rows.len() as i64 > limit;
     rows.truncate(limit as usize);
     let next = if more { rows.last().map(|e| encode_cursor(&e.id.to_string())) } else { None };

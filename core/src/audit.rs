@@ -86,13 +86,22 @@ pub async fn record_as(
     Ok(())
 }
 
-/// Newest first, before the cursor id.
-pub async fn list(db: impl PgExecutor<'_>, before: Option<i64>, limit: i64) -> Result<Vec<Entry>, sqlx::Error> {
-    sqlx::query_as("SELECT * FROM audit_log WHERE ($1::bigint IS NULL OR id < $1) ORDER BY id DESC LIMIT $2")
-        .bind(before)
-        .bind(limit)
-        .fetch_all(db)
-        .await
+/// Newest first, before the cursor id, of one action only when `action` names it.
+pub async fn list(
+    db: impl PgExecutor<'_>,
+    action: Option<&str>,
+    before: Option<i64>,
+    limit: i64,
+) -> Result<Vec<Entry>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT * FROM audit_log WHERE ($1::bigint IS NULL OR id < $1) AND ($3::text IS NULL OR action = $3)
+           ORDER BY id DESC LIMIT $2"#,
+    )
+    .bind(before)
+    .bind(limit)
+    .bind(action)
+    .fetch_all(db)
+    .await
 }
 
 /// Recomputes the whole chain; returns the id of the first entry that does not verify.

@@ -3,6 +3,8 @@
 use serde_json::{Value, json};
 use sqlx::PgExecutor;
 
+use crate::artifact::EmailAddress;
+use crate::policy;
 use crate::store::{self, Delivery};
 
 /// The JSON of a delivery. `full` adds the artifact, the agent, the attempts and the
@@ -33,8 +35,19 @@ where
         let artifact = store::get_artifact(db, &d.artifact_sha256).await?;
         let attempts = store::attempts(db, d.id).await?;
         v["agent"] = json!(d.agent);
+        // The Message-ID the relay knows an email by, derived from its key (what a human
+        // resolving a parked send searches for).
+        let from =
+            artifact.as_ref().and_then(|a| a["email"]["from"].as_str()).and_then(|f| EmailAddress::parse(f).ok());
+        v["message_id"] = json!(from.map(|f| policy::message_id(&d.idempotency_key, &f)));
         v["artifact"] = artifact.unwrap_or(Value::Null);
         v["submitted_sha256"] = json!(d.submitted_sha256);
+        // What the agent submitted, when a reviewer's edit replaced it (the diff's left side).
+        v["submitted_artifact"] = if d.submitted_sha256 == d.artifact_sha256 {
+            Value::Null
+        } else {
+            store::get_artifact(db, &d.submitted_sha256).await?.unwrap_or(Value::Null)
+        };
         v["effect_class"] = json!(d.effect_class);
         v["attempts"] = json!(attempts);
         if let Some(s) = score {
@@ -42,6 +55,16 @@ where
         }
     }
     Ok(v)
+}
+
+/// A list row: the short line plus what a reviewer scans a queue by (the email's subject
+/// or the webhook's URL, and the latest score's value).
+pub fn row(d: &Delivery, preview: Option<&store::Preview>) -> Value {
+    let mut v = summary(d);
+    v["subject"] = json!(preview.and_then(|p| p.subject.clone()));
+    v["url"] = json!(preview.and_then(|p| p.url.clone()));
+    v["score"] = json!(preview.and_then(|p| p.score));
+    v
 }
 
 /// A short line for lists.

@@ -73,9 +73,10 @@ pub use lease::{
     park, release, snooze,
 };
 pub use operate::{
-    StateCount, cancel, count_by_kind_state, find_live, get, list, retry_now, sample_depth, settle_parked,
+    QueueCount, StateCount, cancel, count_by_kind_state, count_by_queue_state, find_live, get, list, retry_now,
+    sample_depth, settle_parked,
 };
-pub use pauses::{PAUSE_NOTIFY_PREFIX, PAUSES_MAX_AGE, pause_queue, paused_queues, resume_queue};
+pub use pauses::{PAUSE_NOTIFY_PREFIX, PAUSES_MAX_AGE, Pause, list_pauses, pause_queue, paused_queues, resume_queue};
 pub use rescue::{RescueCounts, RescueOutcome, Rescued, rescue_expired};
 pub use retention::prune_finished;
 pub use waker::{NOTIFY_CHANNEL, WAKE_SPACING, Waker};

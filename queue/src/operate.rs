@@ -92,6 +92,25 @@ pub async fn count_by_kind_state(db: impl PgExecutor<'_>) -> Result<Vec<StateCou
         .await?)
 }
 
+/// Job counts by queue and state, of the jobs not yet finished (`available`, `running`,
+/// `parked`): a queue's depth.
+#[derive(Debug, Clone, FromRow, Serialize)]
+pub struct QueueCount {
+    pub queue: String,
+    pub state: JobState,
+    pub count: i64,
+}
+
+pub async fn count_by_queue_state(db: impl PgExecutor<'_>) -> Result<Vec<QueueCount>, QueueError> {
+    Ok(sqlx::query_as(
+        r#"SELECT queue, state, count(*) AS count FROM jobs
+           WHERE state IN ('available', 'running', 'parked')
+           GROUP BY queue, state ORDER BY queue, state"#,
+    )
+    .fetch_all(db)
+    .await?)
+}
+
 /// Samples the queue-depth gauge (jobs by kind and state) for `/metrics`.
 pub async fn sample_depth(db: impl PgExecutor<'_>) -> Result<(), sqlx::Error> {
     let depth: Vec<(String, String, i64)> =

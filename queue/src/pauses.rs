@@ -47,3 +47,16 @@ pub async fn paused_queues(db: impl PgExecutor<'_>) -> Result<Vec<String>, Queue
         .fetch_one(db)
         .await?)
 }
+
+/// A paused queue: since when and why.
+#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
+pub struct Pause {
+    pub queue: String,
+    pub paused_at: chrono::DateTime<chrono::Utc>,
+    pub reason: String,
+}
+
+/// Every pause, by queue name.
+pub async fn list_pauses(db: impl PgExecutor<'_>) -> Result<Vec<Pause>, QueueError> {
+    Ok(sqlx::query_as("SELECT queue, paused_at, reason FROM queue_pauses ORDER BY queue").fetch_all(db).await?)
+}

@@ -2,6 +2,7 @@
 //! group binaries under `tests/tests/`).
 //!
 //! A tour:
+//! - [`browser`]: runs a scenario of the page's browser script (Chromium, playwright-core).
 //! - [`harness`]: finds binaries, databases and the Python test tools, spawns processes,
 //!   waits with bounds.
 //! - [`app`]: [`app::TestApp`], the whole system in-process on port 0 against a fresh
@@ -20,6 +21,7 @@
 //! - [`capsule`]: a fleet of nodes for the capsule and relocation suites.
 
 pub mod app;
+pub mod browser;
 pub mod capsule;
 pub mod chaos;
 pub mod harness;

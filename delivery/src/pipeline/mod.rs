@@ -31,7 +31,7 @@ pub use record::{SendOutcome, on_send_rescued, record_many, record_outcome, reco
 pub use resolve::{Resolution, cancel, resolve};
 pub use review::{MAX_BATCH, accept, approve, approve_batch, edit, reject};
 pub use score::{MAX_SCORE_BATCH, score, score_many};
-pub use send::{MAX_SEND_BATCH, SendStart, begin_send, begin_send_many, set_send_enabled};
+pub use send::{MAX_SEND_BATCH, SendStart, begin_send, begin_send_many, set_send_enabled, set_send_enabled_as};
 pub use submit::{Submission, submit};
 
 use airlock_core::audit;

@@ -239,17 +239,30 @@ pub async fn set_send_enabled(
     enabled: bool,
     reason: Option<&str>,
 ) -> Result<store::SendSwitch, PipelineError> {
+    set_send_enabled_as(pool, &who.name, who.role.as_str(), enabled, reason).await
+}
+
+/// [`set_send_enabled`] by a named actor with a role (the command line's operating-system
+/// user, audited as such).
+pub async fn set_send_enabled_as(
+    pool: &PgPool,
+    actor: &str,
+    role: &str,
+    enabled: bool,
+    reason: Option<&str>,
+) -> Result<store::SendSwitch, PipelineError> {
     let reason = non_empty(reason, "reason")?;
     let mut tx = pool.begin().await?;
-    let s = store::set_send_switch(&mut *tx, enabled, &who.name, &reason).await?;
+    let s = store::set_send_switch(&mut *tx, enabled, actor, &reason).await?;
     if enabled {
         queue::resume_queue(&mut *tx, SEND_QUEUE).await?;
     } else {
         queue::pause_queue(&mut *tx, SEND_QUEUE, "send switch off").await?;
     }
-    audit::record(
+    audit::record_as(
         &mut tx,
-        who,
+        actor,
+        role,
         audit::Action {
             action: "send_switch.set",
             target_kind: "settings",
@@ -260,6 +273,6 @@ pub async fn set_send_enabled(
     )
     .await?;
     tx.commit().await?;
-    tracing::warn!(enabled, by = %who.name, "send switch flipped");
+    tracing::warn!(enabled, by = %actor, "send switch flipped");
     Ok(s)
 }

@@ -221,20 +221,44 @@ pub async fn read_for_send_many(db: impl PgExecutor<'_>, ids: &[DeliveryId]) -> 
 /// Lists deliveries oldest first, optionally in one state, after a cursor `(created_at, id)`.
 pub async fn list(
     db: impl PgExecutor<'_>,
-    state: Option<DeliveryState>,
+    states: &[DeliveryState],
     after: Option<(DateTime<Utc>, DeliveryId)>,
     limit: i64,
 ) -> Result<Vec<Delivery>, sqlx::Error> {
     sqlx::query_as(
         r#"SELECT * FROM deliveries
-           WHERE ($1::delivery_state IS NULL OR state = $1)
+           WHERE (cardinality($1::delivery_state[]) = 0 OR state = ANY ($1))
              AND ($2::timestamptz IS NULL OR (created_at, id) > ($2, $3))
            ORDER BY created_at, id LIMIT $4"#,
     )
-    .bind(state)
+    .bind(states)
     .bind(after.map(|a| a.0))
     .bind(after.map(|a| a.1))
     .bind(limit)
+    .fetch_all(db)
+    .await
+}
+
+/// What a list row shows of a delivery besides its own columns: the email's subject or
+/// the webhook's URL, and the value of its latest score.
+#[derive(Debug, Clone, FromRow)]
+pub struct Preview {
+    pub id: DeliveryId,
+    pub subject: Option<String>,
+    pub url: Option<String>,
+    pub score: Option<f64>,
+}
+
+/// The previews of `ids` (in no particular order; one per delivery found).
+pub async fn previews(db: impl PgExecutor<'_>, ids: &[DeliveryId]) -> Result<Vec<Preview>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT d.id, a.body->'email'->>'subject' AS subject, a.body->'webhook'->>'url' AS url,
+                  (SELECT s.value FROM scores s WHERE s.delivery_id = d.id
+                   ORDER BY s.created_at DESC, s.id DESC LIMIT 1) AS score
+           FROM deliveries d JOIN artifacts a ON a.sha256 = d.artifact_sha256
+           WHERE d.id = ANY ($1)"#,
+    )
+    .bind(ids)
     .fetch_all(db)
     .await
 }

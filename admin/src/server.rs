@@ -49,6 +49,9 @@ pub const ROUTES: &[RouteRule] = &[
     RouteRule { method: "POST", path: "/admin/v1/grants", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/grants", access: OPERATOR },
     RouteRule { method: "DELETE", path: "/admin/v1/grants/{id}", access: OPERATOR },
+    RouteRule { method: "POST", path: "/admin/v1/suppressions", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/suppressions", access: OPERATOR },
+    RouteRule { method: "DELETE", path: "/admin/v1/suppressions/{id}", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/audit", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/jobs", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/workers", access: OPERATOR },
@@ -120,6 +123,7 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(crate::runs::cancel_run))
         .routes(routes!(crate::runs::resolve_effect))
         .merge(crate::capsule::routes())
+        .merge(crate::suppressions::routes())
         .routes(routes!(crate::page::index))
         .routes(routes!(crate::page::script))
         .routes(routes!(crate::page::style))

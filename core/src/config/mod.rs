@@ -8,6 +8,7 @@
 //! variables that hold them.
 
 pub mod agent;
+pub mod limits;
 pub mod models;
 pub mod sandbox;
 
@@ -67,6 +68,9 @@ pub struct Config {
     pub tools: std::collections::BTreeMap<String, agent::ToolConfig>,
     #[serde(default)]
     pub capsules: CapsulesConfig,
+    /// Rate limits an agent cannot lift (`limits.*`, see [`limits`]).
+    #[serde(default)]
+    pub limits: limits::LimitsConfig,
     /// Peers that host agents, by node id (`nodes.<id>.url`).
     #[serde(default)]
     pub nodes: std::collections::BTreeMap<String, NodePeerConfig>,

@@ -5,3 +5,4 @@
 
 mod grants_and_review;
 mod judge;
+mod limits;

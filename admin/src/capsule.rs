@@ -57,8 +57,15 @@ pub enum CapsuleCommand {
         #[arg(long)]
         sign: bool,
     },
-    /// Verify a capsule, then store it as a new agent or a newer epoch of a stored one.
-    Import { path: PathBuf },
+    /// Verify a capsule, then store it as a new agent or a newer epoch of a stored one. It
+    /// must be signed by a key of `capsules.trusted_keys`; a newer epoch of a stored agent
+    /// always must.
+    Import {
+        path: PathBuf,
+        /// Import a new agent whose capsule has no trusted signature (audited as such).
+        #[arg(long)]
+        allow_unsigned: bool,
+    },
 }
 
 /// Runs a capsule command. `verify` touches neither configuration nor database.
@@ -73,7 +80,8 @@ pub async fn run(command: CapsuleCommand) -> anyhow::Result<()> {
             airlock_core::db::migrate(&pool).await?;
             let signer = if sign { Some(Signer::from_env(&cfg.capsules.signing_key_env)?) } else { None };
             let store = DirArchive::new(&cfg.capsules.store_dir);
-            let m = export(&pool, &store, &AgentId::parse(&agent_id)?, &out, tar, signer.as_ref()).await?;
+            let m =
+                export(&pool, &store, &AgentId::parse(&agent_id)?, &out, tar, signer.as_ref(), &cli_actor()).await?;
             println!(
                 "exported {} epoch {} (holder {}) to {}",
                 m.agent_id,
@@ -83,12 +91,13 @@ pub async fn run(command: CapsuleCommand) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        CapsuleCommand::Import { path } => {
+        CapsuleCommand::Import { path, allow_unsigned } => {
             let cfg = Config::load()?;
             let pool = airlock_core::db::connect(&cfg.database).await?;
             airlock_core::db::migrate(&pool).await?;
             let store = DirArchive::new(&cfg.capsules.store_dir);
-            let a = import(&pool, &store, &path, &cli_actor()).await?;
+            let trust = Trust { trusted_keys: &cfg.capsules.trusted_keys, allow_unsigned };
+            let a = import(&pool, &store, &path, &cli_actor(), &trust).await?;
             println!("imported {} at epoch {}", a.id, a.epoch);
             Ok(())
         }
@@ -116,7 +125,9 @@ pub fn verify(path: &FsPath, opts: &VerifyOptions) -> anyhow::Result<()> {
     anyhow::bail!("{} does not verify ({} problems)", path.display(), report.problems.len())
 }
 
-/// Writes the agent's latest checkpoint from the store as a capsule folder or tar.
+/// Writes the agent's latest checkpoint from the store as a capsule folder or tar, audited
+/// (a capsule carries the agent's memory and journal out of airlock): the entry is committed
+/// once the capsule is written, and nothing is written when the audit cannot be.
 pub async fn export(
     pool: &PgPool,
     store: &dyn Archive,
@@ -124,6 +135,7 @@ pub async fn export(
     out: &FsPath,
     tar: bool,
     signer: Option<&Signer>,
+    actor: &str,
 ) -> anyhow::Result<airlock_capsule::Manifest> {
     let row = agents::get(pool, agent).await?.ok_or_else(|| anyhow::anyhow!("no agent {agent}"))?;
     let mut cap =
@@ -135,23 +147,64 @@ pub async fn export(
         );
     }
     cap.manifest.exported_at = now_rfc3339();
+    let mut tx = pool.begin().await?;
+    airlock_core::audit::record_as(
+        &mut tx,
+        actor,
+        "admin",
+        airlock_core::audit::Action {
+            action: "capsule.export",
+            target_kind: "agent",
+            target_id: agent.to_string(),
+            reason: None,
+            data: json!({"epoch": cap.manifest.epoch, "tar": tar, "signed_by": signer.map(Signer::key_id),
+                         "out": out.display().to_string()}),
+        },
+    )
+    .await?;
     let blobs = StoreBlobs(store);
     if tar {
         cap.write_tar(out, &blobs, signer)?;
     } else {
         cap.write_dir(out, &blobs, signer)?;
     }
+    tx.commit().await?;
     Ok(cap.manifest)
+}
+
+/// Whose signatures an import trusts.
+#[derive(Debug, Clone, Copy)]
+pub struct Trust<'a> {
+    /// `capsules.trusted_keys`: ed25519 public keys, hex.
+    pub trusted_keys: &'a [String],
+    /// `--allow-unsigned`: a new agent may be imported without a trusted signature.
+    pub allow_unsigned: bool,
 }
 
 /// Verifies a capsule folder or tar and stores it: blobs and checkpoint into the store,
 /// the agent into Postgres (new, or a newer epoch of a stored agent), audited.
-pub async fn import(pool: &PgPool, store: &dyn Archive, path: &FsPath, actor: &str) -> anyhow::Result<agents::Agent> {
+///
+/// The capsule must be signed by a key of `trust.trusted_keys`. Without such a signature
+/// (unsigned, or signed by another key) only a new agent is imported, and only with
+/// `trust.allow_unsigned`, which the audit entry records; a capsule naming a stored agent
+/// is refused, so nobody replaces an agent with a capsule they made up.
+pub async fn import(
+    pool: &PgPool,
+    store: &dyn Archive,
+    path: &FsPath,
+    actor: &str,
+    trust: &Trust<'_>,
+) -> anyhow::Result<agents::Agent> {
     let report = verify_path(path, &VerifyOptions::default())?;
     if !report.is_ok() {
         let lines: Vec<String> = report.problems.iter().map(ToString::to_string).collect();
         anyhow::bail!("{} does not verify:\n{}", path.display(), lines.join("\n"));
     }
+    // Signed, and by whom it claims: now whether that key is one the operator trusts.
+    let trusted = report.signed
+        && !trust.trusted_keys.is_empty()
+        && verify_path(path, &VerifyOptions { trusted_keys: trust.trusted_keys.to_vec(), require_signature: true })?
+            .is_ok();
     let (cap, blobs): (CapsuleFiles, Box<dyn BlobSource>) = if std::fs::metadata(path)?.is_dir() {
         let (c, b) = CapsuleFiles::read_dir(path)?;
         (c, Box::new(b))
@@ -162,6 +215,24 @@ pub async fn import(pool: &PgPool, store: &dyn Archive, path: &FsPath, actor: &s
     cap.check()?;
     let sha = cap.manifest_sha256();
     let mut tx = pool.begin().await?;
+    if !trusted {
+        let what = if report.signed { "signed by a key not in" } else { "not signed by a key of" };
+        if agents::get(&mut *tx, cap.agent_id()).await?.is_some() {
+            anyhow::bail!(
+                "{}: agent {} exists; a capsule that replaces it must be signed by a key of capsules.trusted_keys \
+                 (this one is {what} capsules.trusted_keys)",
+                path.display(),
+                cap.agent_id()
+            );
+        }
+        if !trust.allow_unsigned {
+            anyhow::bail!(
+                "{}: the capsule is {what} capsules.trusted_keys; import it as a new agent with --allow-unsigned \
+                 (audited), or sign it with a trusted key",
+                path.display()
+            );
+        }
+    }
     let row = agents::record_import(&mut *tx, cap.agent_id(), cap.manifest.epoch, &sha).await?;
     airlock_core::audit::record_as(
         &mut tx,
@@ -171,8 +242,9 @@ pub async fn import(pool: &PgPool, store: &dyn Archive, path: &FsPath, actor: &s
             action: "capsule.import",
             target_kind: "agent",
             target_id: cap.agent_id().to_string(),
-            reason: None,
-            data: json!({"epoch": cap.manifest.epoch, "manifest_sha256": sha}),
+            reason: (!trusted).then_some("imported without a trusted signature (--allow-unsigned)"),
+            data: json!({"epoch": cap.manifest.epoch, "manifest_sha256": sha, "trusted_signature": trusted,
+                         "allow_unsigned": !trusted}),
         },
     )
     .await?;

@@ -153,8 +153,21 @@ pub enum QueuesCommand {
 
 #[derive(Subcommand)]
 pub enum AuditCommand {
-    /// Recompute the hash chain; prints `ok`, or the first broken entry and exits 1.
-    Verify,
+    /// Recompute the hash chain; prints `ok`, or what is broken and exits 1. With
+    /// `--head`, the chain must also still reach the head exported earlier, so removing the
+    /// newest entries is seen.
+    Verify {
+        /// A head written by `audit export-head`, kept outside the database.
+        #[arg(long)]
+        head: Option<std::path::PathBuf>,
+    },
+    /// Print the newest entry of the chain (id, hash, count) as JSON, to keep outside the
+    /// database for `audit verify --head`.
+    ExportHead {
+        /// Write it to this file instead of stdout.
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -230,6 +243,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Capsule { command } => crate::capsule::run(command).await,
         Command::Probe { url } => probe(&url).await,
         Command::Migrate => {
+            // Again even when nothing was pending: a role created after the last migration
+            // gets its rights here.
+            airlock_core::db::grant_application(&pool).await?;
             tracing::info!("migrations applied");
             Ok(())
         }
@@ -307,16 +323,40 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{action} {id}");
             Ok(())
         }
-        Command::Audit { command: AuditCommand::Verify } => match airlock_core::audit::verify(&pool).await? {
-            None => {
-                println!("ok");
-                Ok(())
+        Command::Audit { command: AuditCommand::Verify { head } } => {
+            let head = match head {
+                None => None,
+                Some(path) => {
+                    let text = std::fs::read_to_string(&path)
+                        .map_err(|e| anyhow::anyhow!("--head {}: {e}", path.display()))?;
+                    Some(
+                        serde_json::from_str::<airlock_core::audit::Head>(&text)
+                            .map_err(|e| anyhow::anyhow!("--head {}: not an exported head: {e}", path.display()))?,
+                    )
+                }
+            };
+            match airlock_core::audit::verify_against(&pool, head.as_ref()).await? {
+                Ok(()) => {
+                    println!("ok");
+                    Ok(())
+                }
+                Err(broken) => {
+                    println!("broken: {broken}");
+                    std::process::exit(1);
+                }
             }
-            Some(id) => {
-                println!("broken: audit entry {id} does not match the chain");
-                std::process::exit(1);
+        }
+        Command::Audit { command: AuditCommand::ExportHead { out } } => {
+            let head = airlock_core::audit::head(&pool)
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("the audit log is empty: nothing to export"))?;
+            let text = serde_json::to_string(&head)?;
+            match out {
+                Some(path) => std::fs::write(&path, format!("{text}\n"))?,
+                None => println!("{text}"),
             }
-        },
+            Ok(())
+        }
         Command::Sandbox { command } => crate::sandbox::run_cli(&pool, &cfg, command).await,
         Command::Switch { command } => {
             let s = match command {

@@ -4,6 +4,7 @@
 //! - [`cli`]: the command line (`serve`, `migrate`, `token`, `jobs`, `capsule`, `sandbox`).
 //! - [`server`]: the HTTP router and its handlers (deliveries, review, the send switch,
 //!   grants, audit, jobs and workers), built so tests can start it in-process.
+//! - [`suppressions`]: recipients nothing may be sent to.
 //! - [`capsule`]: the capsule commands and the agent and relocation routes.
 //! - [`replay`]: `replay-eval`, a run's recorded decisions asked again of another model.
 //! - [`runs`]: the runs, one run's replay log and effects, cancellation, and a human's
@@ -22,4 +23,5 @@ pub mod replay;
 pub mod runs;
 pub mod sandbox;
 pub mod server;
+pub mod suppressions;
 pub mod turns;

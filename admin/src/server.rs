@@ -49,6 +49,9 @@ pub const ROUTES: &[RouteRule] = &[
     RouteRule { method: "POST", path: "/admin/v1/grants", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/grants", access: OPERATOR },
     RouteRule { method: "DELETE", path: "/admin/v1/grants/{id}", access: OPERATOR },
+    RouteRule { method: "POST", path: "/admin/v1/suppressions", access: OPERATOR },
+    RouteRule { method: "GET", path: "/admin/v1/suppressions", access: OPERATOR },
+    RouteRule { method: "DELETE", path: "/admin/v1/suppressions/{id}", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/audit", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/jobs", access: OPERATOR },
     RouteRule { method: "GET", path: "/admin/v1/workers", access: OPERATOR },
@@ -128,6 +131,7 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(crate::queues::pause))
         .routes(routes!(crate::queues::resume))
         .merge(crate::capsule::routes())
+        .merge(crate::suppressions::routes())
         .routes(routes!(crate::page::index))
         .routes(routes!(crate::page::script))
         .routes(routes!(crate::page::style))

@@ -143,8 +143,9 @@ pub fn router(state: AppState) -> Router {
 /// Hands an email or a webhook call to airlock. Idempotent on (run_id, step_id).
 #[utoipa::path(post, path = "/v1/deliveries", request_body(content = Object, description = "run_id, step_id, channel and its email or webhook member"),
     responses((status = 201, description = "persisted"), (status = 200, description = "the same submission again"),
-        (status = 400, description = "invalid"), (status = 404, description = "no such run"), (status = 409, description = "IDEMPOTENCY_CONFLICT or BUDGET_EXHAUSTED"),
-        (status = 413, description = "too large")))]
+        (status = 400, description = "invalid"), (status = 404, description = "no such run"), (status = 409, description = "IDEMPOTENCY_CONFLICT, BUDGET_EXHAUSTED or RECIPIENT_SUPPRESSED"),
+        (status = 413, description = "too large"),
+        (status = 429, description = "RATE_LIMITED: a limit of limits.* is reached; try again after Retry-After seconds")))]
 async fn submit_delivery(
     State(state): State<AppState>,
     auth: Auth,

@@ -150,7 +150,7 @@ mod tests {
 
     #[test]
     fn literal_credentials_are_refused() {
-        for name in ["GITHUB_TOKEN", "api_key", "SSH_KEYFILE"] {
+        for name in ["GITHUB_TOKEN", "api_key", "SSH_KEYFILE", "DB_PASSWORD", "client_secret", "AWS_CREDENTIALS"] {
             let mut s = spec();
             s.secrets.clear();
             s.env.insert(name.into(), "literal".into());

@@ -2,9 +2,13 @@
 //! removed afterwards breaks the chain.
 //!
 //! Appends are serialised by a transaction-scoped advisory lock, so the chain never forks.
+//!
+//! The chain alone cannot show that its newest entries were removed (what is left is still
+//! a valid chain): [`head`] exports the newest entry to keep outside Postgres, and
+//! [`verify_against`] checks the chain reaches that entry unchanged.
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use sqlx::{FromRow, PgExecutor, Postgres, Transaction};
 
@@ -123,4 +127,73 @@ pub async fn verify(db: impl PgExecutor<'_>) -> Result<Option<i64>, sqlx::Error>
         prev = Some(e.hash);
     }
     Ok(None)
+}
+
+/// The newest entry of the chain, as exported to be kept outside the database
+/// (`airlock-admin audit export-head`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Head {
+    /// The newest entry's id.
+    pub id: i64,
+    /// Its hash: the whole chain up to it.
+    pub hash: String,
+    /// How many entries the chain had up to it.
+    pub entries: i64,
+    /// When it was exported.
+    pub exported_at: DateTime<Utc>,
+}
+
+/// The head of the chain now; `None` when the log is empty.
+pub async fn head(db: impl PgExecutor<'_>) -> Result<Option<Head>, sqlx::Error> {
+    #[derive(FromRow)]
+    struct Row {
+        id: i64,
+        hash: String,
+        entries: i64,
+        exported_at: DateTime<Utc>,
+    }
+    let row: Option<Row> = sqlx::query_as(
+        r#"SELECT id, hash, (SELECT count(*) FROM audit_log) AS entries, now() AS exported_at
+           FROM audit_log ORDER BY id DESC LIMIT 1"#,
+    )
+    .fetch_optional(db)
+    .await?;
+    Ok(row.map(|r| Head { id: r.id, hash: r.hash, entries: r.entries, exported_at: r.exported_at }))
+}
+
+/// What is wrong with the log, if anything.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Broken {
+    #[error("audit entry {0} does not match the chain")]
+    Chain(i64),
+    #[error("the exported head, entry {0}, is not in the log: entries were removed")]
+    HeadMissing(i64),
+    #[error("audit entry {0} is not the exported head: it was altered")]
+    HeadAltered(i64),
+    #[error("the log has {found} entries up to the exported head, which counted {expected}")]
+    Count { expected: i64, found: i64 },
+}
+
+/// [`verify`], and, with an exported `head`, that the chain still reaches it: the entry is
+/// there with the same hash and as many entries before it. Entries newer than the head are
+/// checked by the chain alone.
+pub async fn verify_against(pool: &sqlx::PgPool, head: Option<&Head>) -> Result<Result<(), Broken>, sqlx::Error> {
+    if let Some(id) = verify(pool).await? {
+        return Ok(Err(Broken::Chain(id)));
+    }
+    let Some(h) = head else { return Ok(Ok(())) };
+    let found: Option<String> =
+        sqlx::query_scalar("SELECT hash FROM audit_log WHERE id = $1").bind(h.id).fetch_optional(pool).await?;
+    match found {
+        None => return Ok(Err(Broken::HeadMissing(h.id))),
+        Some(hash) if hash != h.hash => return Ok(Err(Broken::HeadAltered(h.id))),
+        Some(_) => {}
+    }
+    let count: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM audit_log WHERE id <= $1").bind(h.id).fetch_one(pool).await?;
+    if count != h.entries {
+        return Ok(Err(Broken::Count { expected: h.entries, found: count }));
+    }
+    Ok(Ok(()))
 }

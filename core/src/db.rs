@@ -37,16 +37,49 @@ pub fn generic_plans(pool: &PgPool, max_connections: u32) -> PgPool {
     pool.options().clone().max_connections(max_connections).min_connections(0).connect_lazy_with(options)
 }
 
-/// Applies every pending migration; safe to run concurrently from several processes
-/// (sqlx takes an advisory lock).
+/// The role the services connect as in a deployment that separates it from the owner of
+/// the schema: it reads and writes every table but may only insert into the append-only logs
+/// (see `migrations/0021_application_role.sql`). `scripts/dev` and compose create it.
+pub const APP_ROLE: &str = "airlock_app";
+
+/// Applies every pending migration, then (when the caller owns the schema) grants
+/// [`APP_ROLE`] its rights on every table, the new ones included; safe to run concurrently
+/// from several processes (sqlx takes an advisory lock). When nothing is pending the
+/// migrator is not run at all, so a service connected as the application role, which may
+/// not change the schema, starts against a database its owner has migrated.
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-    MIGRATOR.run(pool).await
+    if !pending(pool).await? {
+        return Ok(());
+    }
+    MIGRATOR.run(pool).await?;
+    grant_application(pool).await?;
+    Ok(())
+}
+
+/// Grants [`APP_ROLE`] its rights on every table as they are now (see [`migrate`]); a no-op
+/// unless the caller owns the schema and the role exists. Serialised by an advisory lock:
+/// two GRANTs on one table at once can fail.
+pub async fn grant_application(pool: &PgPool) -> Result<(), sqlx::Error> {
+    const GRANT_LOCK: i64 = 0x4149_524c_4f43_4b03;
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(GRANT_LOCK).execute(&mut *tx).await?;
+    sqlx::query("SELECT airlock_grant_application($1)").bind(APP_ROLE).execute(&mut *tx).await?;
+    tx.commit().await
+}
+
+/// Whether an embedded migration is not applied yet (any, not only the newest: versions
+/// may be applied out of order when a lower one arrives later).
+async fn pending(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(pool).await?;
+    if !exists {
+        return Ok(true);
+    }
+    let applied: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success").fetch_all(pool).await?;
+    Ok(MIGRATOR.iter().any(|m| !applied.contains(&m.version)))
 }
 
 /// Whether the database answers and every embedded migration is applied.
 pub async fn ready(pool: &PgPool) -> bool {
-    let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
-    let applied: Result<Option<i64>, _> =
-        sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success").fetch_one(pool).await;
-    matches!(applied, Ok(Some(v)) if v >= latest)
+    matches!(pending(pool).await, Ok(false))
 }

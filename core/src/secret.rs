@@ -39,10 +39,11 @@ pub fn from_env(var: &str) -> Option<Secret> {
     std::env::var(var).ok().filter(|v| !v.is_empty()).map(Secret)
 }
 
-/// Whether a variable name suggests a credential.
+/// Whether a variable name suggests a credential (a literal value under such a name is
+/// refused: it must come from a keyring).
 pub fn looks_like_credential(name: &str) -> bool {
     let upper = name.to_ascii_uppercase();
-    upper.contains("TOKEN") || upper.contains("KEY")
+    ["TOKEN", "KEY", "PASSWORD", "PASSWD", "SECRET", "CREDENTIAL"].iter().any(|w| upper.contains(w))
 }
 
 /// Where a host keeps secret values. Implementations read on demand and never cache.

@@ -9,6 +9,7 @@
 //!   keys, Message-IDs and webhook signatures.
 //! - [`scoring`]: the deterministic, explainable scorer behind the [`scoring::Scorer`] trait.
 //! - [`grants`]: standing, scoped, expiring, count-limited approvals.
+//! - [`suppressions`]: recipients nothing may be sent to.
 //! - [`state`]: delivery states and the one table of legal moves.
 //! - [`store`]: the SQL of deliveries and what hangs off them (events, scores, reviews,
 //!   approvals, attempts, receipts, the send switch).
@@ -26,4 +27,5 @@ pub mod policy;
 pub mod scoring;
 pub mod state;
 pub mod store;
+pub mod suppressions;
 pub mod view;

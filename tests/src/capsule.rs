@@ -388,7 +388,8 @@ impl Fleet {
         let (cap, blobs) = sample_capsule_variant(agent, "origin", 0, variant);
         let dir = self.root.join("exports").join(format!("{agent}-{}", uuid::Uuid::new_v4().simple()));
         cap.write_dir(&dir, &blobs, None).expect("write capsule");
-        airlock_admin::capsule::import(pool, self.store.as_ref(), &dir, "test").await.expect("import");
+        let trust = airlock_admin::capsule::Trust { trusted_keys: &[], allow_unsigned: true };
+        airlock_admin::capsule::import(pool, self.store.as_ref(), &dir, "test", &trust).await.expect("import");
         dir
     }
 

@@ -8,6 +8,7 @@
 //! variables that hold them.
 
 pub mod agent;
+pub mod limits;
 pub mod models;
 pub mod sandbox;
 
@@ -18,7 +19,13 @@ use serde::Deserialize;
 use crate::secret::Secret;
 
 /// Keys whose environment values are comma-separated lists.
-const LIST_KEYS: &[&str] = &["worker.queues", "delivery.senders", "delivery.webhook_origins", "delivery.known_domains"];
+const LIST_KEYS: &[&str] = &[
+    "worker.queues",
+    "delivery.senders",
+    "delivery.webhook_origins",
+    "delivery.known_domains",
+    "capsules.trusted_keys",
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -67,6 +74,9 @@ pub struct Config {
     pub tools: std::collections::BTreeMap<String, agent::ToolConfig>,
     #[serde(default)]
     pub capsules: CapsulesConfig,
+    /// Rate limits an agent cannot lift (`limits.*`, see [`limits`]).
+    #[serde(default)]
+    pub limits: limits::LimitsConfig,
     /// Peers that host agents, by node id (`nodes.<id>.url`).
     #[serde(default)]
     pub nodes: std::collections::BTreeMap<String, NodePeerConfig>,
@@ -534,6 +544,9 @@ pub struct CapsulesConfig {
     /// variables `keyring_env_prefix` + NAME.
     pub keyring_file: Option<String>,
     pub keyring_env_prefix: String,
+    /// ed25519 public keys (hex) whose signatures `capsule import` trusts: an import needs
+    /// a signature by one of them (or `--allow-unsigned`, audited, for a new agent only).
+    pub trusted_keys: Vec<String>,
 }
 
 impl Default for CapsulesConfig {
@@ -548,6 +561,7 @@ impl Default for CapsulesConfig {
             reconcile_interval_seconds: 5,
             keyring_file: None,
             keyring_env_prefix: "AIRLOCK_SECRET_".into(),
+            trusted_keys: Vec::new(),
         }
     }
 }
@@ -599,6 +613,14 @@ impl Config {
         }
         if c.migrate_retry_ms == 0 {
             return Err(invalid("capsules.migrate_retry_ms", "must be positive"));
+        }
+        for k in &c.trusted_keys {
+            if k.len() != 64 || !k.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(invalid(
+                    "capsules.trusted_keys",
+                    format!("`{k}` is not an ed25519 public key (64 hex digits)"),
+                ));
+            }
         }
         if c.reconcile_interval_seconds == 0 {
             return Err(invalid("capsules.reconcile_interval_seconds", "must be positive"));

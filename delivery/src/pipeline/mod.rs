@@ -75,6 +75,12 @@ pub enum PipelineError {
     Run(#[from] airlock_runs::RunError),
     #[error("{0}")]
     Forbidden(String),
+    /// A recipient nothing may be sent to (see [`crate::suppressions`]).
+    #[error("{0}")]
+    Suppressed(String),
+    /// A limit of `limits.*` is reached; it frees up after `retry_after`.
+    #[error("{message}")]
+    RateLimited { message: String, retry_after: std::time::Duration },
     #[error(transparent)]
     Queue(QueueError),
     #[error(transparent)]
@@ -93,7 +99,17 @@ impl DomainError for PipelineError {
             PipelineError::BudgetExhausted => ErrorKind::BudgetExhausted,
             PipelineError::Run(e) => e.kind(),
             PipelineError::Forbidden(_) => ErrorKind::Forbidden,
+            PipelineError::Suppressed(_) => ErrorKind::RecipientSuppressed,
+            PipelineError::RateLimited { .. } => ErrorKind::RateLimited,
             PipelineError::Db(_) => ErrorKind::Internal,
+        }
+    }
+
+    fn retry_after(&self) -> Option<std::time::Duration> {
+        match self {
+            PipelineError::RateLimited { retry_after, .. } => Some(*retry_after),
+            PipelineError::Run(e) => e.retry_after(),
+            _ => None,
         }
     }
 }

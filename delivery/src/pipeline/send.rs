@@ -2,8 +2,9 @@
 //!
 //! [`gate`] is the one decision of whether a send may start: the switch (read under a share
 //! lock), the delivery still `approved`, an approval bound to the current artifact hash,
-//! and the sender and transport policy of the configuration as it is now. Single and
-//! batched starts both take it: [`begin_send`] is [`begin_send_many`] of one.
+//! the sender and transport policy of the configuration as it is now, and no recipient
+//! suppressed. Single and batched starts both take it: [`begin_send`] is
+//! [`begin_send_many`] of one.
 
 use std::collections::{HashMap, HashSet};
 
@@ -20,7 +21,9 @@ use super::{PipelineError, SEND_QUEUE, check_policy, non_empty, stored_limits};
 use crate::actor::Actor;
 use crate::artifact::Artifact;
 use crate::state::{Action, DeliveryState};
+use crate::store::suppressions::{Suppression, SuppressionKind};
 use crate::store::{self, Delivery, ForSend, NewAttempt, Step};
+use crate::suppressions;
 
 /// The most sends [`begin_send_many`] (or [`super::record_many`]) takes in one transaction.
 pub const MAX_SEND_BATCH: usize = 32;
@@ -52,8 +55,10 @@ pub enum Gate {
     Go(Artifact),
 }
 
-/// The send gate: whether the send of `read.delivery` may start now, under `cfg`.
-pub fn gate(cfg: &Config, read: &ForSend) -> Result<Gate, PipelineError> {
+/// The send gate: whether the send of `read.delivery` may start now, under `cfg` and with
+/// the live suppressions `suppressed` (those matching the batch's recipients, read in
+/// transaction A under the list's share lock).
+pub fn gate(cfg: &Config, read: &ForSend, suppressed: &[Suppression]) -> Result<Gate, PipelineError> {
     if !read.send_enabled {
         return Ok(Gate::SwitchOff);
     }
@@ -67,6 +72,14 @@ pub fn gate(cfg: &Config, read: &ForSend) -> Result<Gate, PipelineError> {
     }
     if let Err(e) = check_policy(cfg, &artifact) {
         return Ok(Gate::Refused(e.to_string()));
+    }
+    let (addresses, domains) = suppressions::lookup_keys(&artifact);
+    let hit = suppressed.iter().find(|s| match s.kind {
+        SuppressionKind::Address => addresses.contains(&s.value),
+        SuppressionKind::Domain => domains.contains(&s.value),
+    });
+    if let Some(s) = hit {
+        return Ok(Gate::Refused(suppressions::describe(s)));
     }
     Ok(Gate::Go(artifact))
 }
@@ -122,6 +135,7 @@ async fn start_all(
     // The switch under a share lock and the deliveries locked in id order, in one read.
     let mut reads: HashMap<DeliveryId, ForSend> =
         store::read_for_send_many(&mut *tx, &ids).await?.into_iter().map(|r| (r.delivery.id, r)).collect();
+    let suppressed = suppressions_of(&mut tx, reads.values()).await?;
     let mut switch = reads.values().next().map(|r| r.send_enabled);
     let mut out: Vec<Option<Result<SendStart, PipelineError>>> = items.iter().map(|_| None).collect();
     let mut writes: Vec<(usize, ForSend, JobWrite)> = Vec::new();
@@ -134,7 +148,7 @@ async fn start_all(
             out[i] = Some(if on { Err(PipelineError::NotFound("delivery")) } else { Ok(SendStart::SwitchOff) });
             continue;
         };
-        match gate(cfg, &read) {
+        match gate(cfg, &read, &suppressed) {
             Ok(Gate::SwitchOff) => out[i] = Some(Ok(SendStart::SwitchOff)),
             Ok(Gate::Nothing) => writes.push((i, read, JobWrite::Complete)),
             Ok(Gate::Refused(why)) => writes.push((i, read, JobWrite::Fail(why))),
@@ -215,6 +229,32 @@ async fn start_all(
         }));
     }
     Ok(out.into_iter().map(|r| r.unwrap_or(Err(PipelineError::NotFound("delivery")))).collect())
+}
+
+/// The live suppressions matching any recipient of `reads`, under the list's share lock
+/// (so none is added before this transaction ends). Nothing is read for a batch of
+/// webhooks.
+async fn suppressions_of<'a>(
+    tx: &mut Transaction<'_, Postgres>,
+    reads: impl Iterator<Item = &'a ForSend>,
+) -> Result<Vec<Suppression>, PipelineError> {
+    let (mut addresses, mut domains) = (Vec::new(), Vec::new());
+    for read in reads {
+        if let Ok(artifact) = Artifact::from_json(&read.artifact_body, &stored_limits()) {
+            let (a, d) = suppressions::lookup_keys(&artifact);
+            addresses.extend(a);
+            domains.extend(d);
+        }
+    }
+    if addresses.is_empty() {
+        return Ok(Vec::new());
+    }
+    addresses.sort();
+    addresses.dedup();
+    domains.sort();
+    domains.dedup();
+    store::suppressions::lock_suppressions_shared(&mut **tx).await?;
+    Ok(store::suppressions::matching_suppressions(&mut **tx, &addresses, &domains).await?)
 }
 
 /// The job write of a send that does not start: done, or failed for good.

@@ -17,6 +17,7 @@ use crate::actor::Actor;
 use crate::artifact::{Artifact, Limits};
 use crate::policy;
 use crate::store::{self, Delivery, NewDelivery};
+use crate::suppressions;
 
 /// What an agent submits.
 #[derive(Debug, Clone)]
@@ -79,11 +80,19 @@ pub async fn submit(
         actor: &Actor::new("agent", agent),
     };
     let job = NewJob::new(SCORE_JOB, json!({"delivery_id": id})).unique_key(format!("score:{id}")).priority(50);
-    if let Some(d) = store::submit(pool, &new, &job).await? {
+    let mut tx = pool.begin().await?;
+    check_recipients_and_limits(&mut tx, cfg, agent, &s).await?;
+    if let Some(d) = store::submit(&mut *tx, &new, &job).await? {
+        if let Artifact::Email { .. } = &s.artifact {
+            let (addresses, _) = suppressions::lookup_keys(&s.artifact);
+            store::suppressions::insert_recipients(&mut *tx, d.id, &addresses).await?;
+        }
+        tx.commit().await?;
         waker.wake(&job.queue);
         tracing::info!(delivery.id = %d.id, run.id = %run_id, "delivery persisted");
         return Ok((d, true));
     }
+    drop(tx);
     // Nothing was written. Said in the order a submission is judged: whose run it is,
     // whether the step has its delivery already (or is something else in the run's log),
     // whether the run takes steps, whether a step is left to spend.
@@ -110,4 +119,63 @@ pub async fn submit(
             Err(PipelineError::InvalidTransition("the run changed while the delivery was submitted; try again".into()))
         }
     }
+}
+
+/// The checks a new submission passes inside its transaction, before anything is written:
+/// no recipient is suppressed, the agent has a submission left in its rolling hour
+/// (`limits.deliveries_per_hour`), and every recipient has an email left in its rolling
+/// day (`limits.per_recipient_per_day`). A repeated submission of a step that has its
+/// delivery already is not a new one: it passes, and the caller answers it as before.
+///
+/// The agent's and the recipients' submissions are serialised by advisory locks for the
+/// rest of the transaction, so two racing submissions cannot both take the last place.
+async fn check_recipients_and_limits(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    cfg: &Config,
+    agent: &str,
+    s: &Submission,
+) -> Result<(), PipelineError> {
+    let per_agent = cfg.limits.deliveries_per_hour(agent);
+    let per_recipient = cfg.limits.per_recipient_per_day;
+    let (addresses, domains) = suppressions::lookup_keys(&s.artifact);
+    let limited: &[String] = if per_recipient > 0 { &addresses } else { &[] };
+    store::suppressions::lock_submitters(&mut *tx, (per_agent > 0).then_some(agent), limited).await?;
+    if store::find_by_step(&mut **tx, s.run_id, &s.step_id).await?.is_some() {
+        return Ok(());
+    }
+    if !addresses.is_empty() {
+        store::suppressions::lock_suppressions_shared(&mut **tx).await?;
+        let found = store::suppressions::matching_suppressions(&mut **tx, &addresses, &domains).await?;
+        if let Some(first) = found.first() {
+            return Err(PipelineError::Suppressed(suppressions::describe(first)));
+        }
+    }
+    if per_agent > 0
+        && let Some(secs) = store::suppressions::agent_window_full(&mut **tx, agent, per_agent).await?
+    {
+        return Err(PipelineError::RateLimited {
+            message: format!(
+                "agent {agent} has made {per_agent} submissions in the last hour (limits.deliveries_per_hour)"
+            ),
+            retry_after: seconds(secs),
+        });
+    }
+    if per_recipient > 0 {
+        let full = store::suppressions::recipients_window_full(&mut **tx, &addresses, per_recipient).await?;
+        if let Some((address, _)) = full.first() {
+            let secs = full.iter().map(|(_, s)| *s).fold(0.0, f64::max);
+            return Err(PipelineError::RateLimited {
+                message: format!(
+                    "{address} has been sent {per_recipient} emails in the last day (limits.per_recipient_per_day)"
+                ),
+                retry_after: seconds(secs),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A wait in seconds as a duration, at least one second.
+fn seconds(secs: f64) -> std::time::Duration {
+    std::time::Duration::from_secs_f64(secs.clamp(1.0, 86_400.0))
 }

@@ -9,6 +9,8 @@
 //! - [`attempts`] and [`receipts`]: the two ends of a send, fenced on its job's lease
 //!   through the queue's statement pieces (the queue alone writes `jobs`).
 //! - [`switch`]: the global send switch.
+//! - [`suppressions`]: recipients nothing may be sent to, and the recipients the
+//!   per-recipient limit counts.
 
 pub mod approvals;
 pub mod artifacts;
@@ -18,6 +20,7 @@ pub mod events;
 pub mod receipts;
 pub mod reviews;
 pub mod scores;
+pub mod suppressions;
 pub mod switch;
 
 pub use crate::actor::Actor;

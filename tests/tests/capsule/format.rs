@@ -133,19 +133,21 @@ async fn import_then_export_through_the_command_line(pool: PgPool) {
     let t = temp();
     let store = t.0.join("store");
     let (signer, seed) = Signer::generate();
+    let trusted = signer.key_id();
     let env = [
         ("DATABASE_URL", url.as_str()),
         ("AIRLOCK__CAPSULES__STORE_DIR", store.to_str().unwrap()),
         ("AIRLOCK_CAPSULE_SIGNING_KEY", seed.expose()),
+        ("AIRLOCK__CAPSULES__TRUSTED_KEYS", trusted.as_str()),
     ];
     let src = t.0.join("in");
     write_sample(&src);
-    let (code, out) = admin(&["import", src.to_str().unwrap()], &env);
+    let (code, out) = admin(&["import", src.to_str().unwrap(), "--allow-unsigned"], &env);
     assert_eq!((code, out.as_str()), (0, "imported agent-f at epoch 4\n"));
     let a = agents::get(&pool, &AgentId::parse("agent-f").unwrap()).await.unwrap().unwrap();
     assert_eq!((a.epoch, a.state, a.holder), (4, agents::AgentState::Stored, None));
     // The same epoch again is refused; nothing changes.
-    assert_eq!(admin(&["import", src.to_str().unwrap()], &env).0, 1);
+    assert_eq!(admin(&["import", src.to_str().unwrap(), "--allow-unsigned"], &env).0, 1);
 
     let out_dir = t.0.join("out");
     let (code, out) = admin(&["export", "agent-f", "--out", out_dir.to_str().unwrap(), "--sign"], &env);
@@ -159,22 +161,101 @@ async fn import_then_export_through_the_command_line(pool: PgPool) {
     let (b, _) = CapsuleFiles::read_tar(&tar).unwrap();
     assert_eq!(a.files, b.files, "what was imported is what is exported");
 
-    // A newer epoch of the stored agent imports; a tampered capsule does not.
+    // A newer epoch of the stored agent imports when a trusted key signed it; a tampered
+    // capsule does not, whatever the flags.
     let (cap, blobs) = sample_capsule("agent-f", "origin", 5);
     let newer = t.0.join("newer");
-    cap.write_dir(&newer, &blobs, None).unwrap();
+    cap.write_dir(&newer, &blobs, Some(&signer)).unwrap();
     assert_eq!(admin(&["import", newer.to_str().unwrap()], &env), (0, "imported agent-f at epoch 5\n".into()));
     let (cap, blobs) = sample_capsule("agent-g", "origin", 1);
     let bad = t.0.join("bad");
     cap.write_dir(&bad, &blobs, None).unwrap();
     std::fs::write(bad.join("memory/working_memory.md"), b"changed").unwrap();
-    assert_eq!(admin(&["import", bad.to_str().unwrap()], &env).0, 1);
+    assert_eq!(admin(&["import", bad.to_str().unwrap(), "--allow-unsigned"], &env).0, 1);
     assert!(agents::get(&pool, &AgentId::parse("agent-g").unwrap()).await.unwrap().is_none());
     let imports: i64 = sqlx::query_scalar("SELECT count(*) FROM audit_log WHERE action = 'capsule.import'")
         .fetch_one(&pool)
         .await
         .unwrap();
     assert_eq!(imports, 2);
+    // Both exports are on record, with the key that signed the first.
+    let exports: Vec<serde_json::Value> =
+        sqlx::query_scalar("SELECT data FROM audit_log WHERE action = 'capsule.export' ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(exports.len(), 2, "{exports:?}");
+    assert_eq!(exports[0]["signed_by"], trusted.as_str());
+    assert_eq!((exports[1]["tar"].as_bool(), exports[1]["signed_by"].is_null()), (Some(true), true));
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn only_a_trusted_signature_imports_and_only_it_replaces_an_agent(pool: PgPool) {
+    let url = harness::database_url(&pool);
+    let t = temp();
+    let store = t.0.join("store");
+    let (trusted, _) = Signer::generate();
+    let (forger, _) = Signer::generate();
+    let key = trusted.key_id();
+    let env = [
+        ("DATABASE_URL", url.as_str()),
+        ("AIRLOCK__CAPSULES__STORE_DIR", store.to_str().unwrap()),
+        ("AIRLOCK__CAPSULES__TRUSTED_KEYS", key.as_str()),
+    ];
+    let write = |name: &str, agent: &str, epoch: i64, signer: Option<&Signer>| {
+        let (cap, blobs) = sample_capsule(agent, "origin", epoch);
+        let dir = t.0.join(name);
+        cap.write_dir(&dir, &blobs, signer).unwrap();
+        dir.to_str().unwrap().to_string()
+    };
+    let audit = || async {
+        sqlx::query_as::<_, (Option<String>, serde_json::Value)>(
+            "SELECT reason, data FROM audit_log WHERE action = 'capsule.import' ORDER BY id",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    };
+    let agent = |id: &'static str| {
+        let pool = pool.clone();
+        async move { agents::get(&pool, &AgentId::parse(id).unwrap()).await.unwrap() }
+    };
+
+    // Unsigned, or signed by a key nobody trusts: refused, nothing stored.
+    let unsigned = write("unsigned", "agent-n", 1, None);
+    let forged = write("forged", "agent-n", 1, Some(&forger));
+    for dir in [&unsigned, &forged] {
+        assert_eq!(admin(&["import", dir], &env).0, 1, "{dir}");
+    }
+    assert!(agent("agent-n").await.is_none());
+    assert!(audit().await.is_empty());
+    // The operator may bring an unsigned new agent in, on the record.
+    assert_eq!(admin(&["import", &unsigned, "--allow-unsigned"], &env), (0, "imported agent-n at epoch 1\n".into()));
+    let entries = audit().await;
+    assert_eq!(entries.len(), 1);
+    assert!(entries[0].0.as_deref().unwrap().contains("--allow-unsigned"), "{entries:?}");
+    assert_eq!(entries[0].1["trusted_signature"], false);
+
+    // Replacing the stored agent: a forged or unsigned capsule never does, flag or not.
+    let forged_newer = write("forged-newer", "agent-n", 2, Some(&forger));
+    let unsigned_newer = write("unsigned-newer", "agent-n", 2, None);
+    for dir in [&forged_newer, &unsigned_newer] {
+        assert_eq!(admin(&["import", dir, "--allow-unsigned"], &env).0, 1, "{dir}");
+        assert_eq!(admin(&["import", dir], &env).0, 1, "{dir}");
+    }
+    assert_eq!(agent("agent-n").await.unwrap().epoch, 1);
+    assert_eq!(audit().await.len(), 1, "nothing refused is on record as imported");
+    // A capsule whose signature was moved onto another manifest does not verify at all.
+    let moved = write("moved", "agent-n", 3, None);
+    std::fs::copy(Path::new(&forged_newer).join("manifest.sig"), Path::new(&moved).join("manifest.sig")).unwrap();
+    assert_eq!(admin(&["import", &moved, "--allow-unsigned"], &env).0, 1);
+    // The trusted key's capsule does.
+    let signed_newer = write("signed-newer", "agent-n", 2, Some(&trusted));
+    assert_eq!(admin(&["import", &signed_newer], &env), (0, "imported agent-n at epoch 2\n".into()));
+    let entries = audit().await;
+    assert_eq!((entries.len(), entries[1].0.as_deref()), (2, None));
+    assert_eq!(entries[1].1["trusted_signature"], true);
+    assert_eq!(agent("agent-n").await.unwrap().epoch, 2);
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
@@ -200,7 +281,8 @@ async fn literal_credentials_are_refused_at_import_and_export(pool: PgPool) {
     std::fs::write(dir.join("manifest.json"), m.to_bytes()).unwrap();
     assert_eq!(admin(&["verify", dir.to_str().unwrap()], &[]), (0, "ok\n".into()));
     let store = airlock_capsule::archive::DirArchive::new(t.0.join("store"));
-    let err = airlock_admin::capsule::import(&pool, &store, &dir, "test").await.unwrap_err();
+    let trust = airlock_admin::capsule::Trust { trusted_keys: &[], allow_unsigned: true };
+    let err = airlock_admin::capsule::import(&pool, &store, &dir, "test", &trust).await.unwrap_err();
     assert!(err.to_string().contains("API_KEY"), "{err}");
     assert!(agents::get(&pool, &AgentId::parse("agent-k").unwrap()).await.unwrap().is_none());
 }

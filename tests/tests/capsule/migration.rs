@@ -128,7 +128,8 @@ async fn two_node_migration_over_http_sends_only_missing_blobs(pool: PgPool) {
 
     // The store's copy exports and verifies; its journal chains origin → node_a → node_b.
     let out = fleet.root.join("export-agent-7");
-    let manifest = airlock_admin::capsule::export(&pool, fleet.store.as_ref(), &id, &out, false, None).await.unwrap();
+    let manifest =
+        airlock_admin::capsule::export(&pool, fleet.store.as_ref(), &id, &out, false, None, "test").await.unwrap();
     assert_eq!((manifest.holder.as_str(), manifest.epoch), ("node_b", 2));
     assert!(verify_path(&out, &VerifyOptions::default()).unwrap().is_ok());
     let (cap, _) = CapsuleFiles::read_dir(&out).unwrap();

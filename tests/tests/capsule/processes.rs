@@ -84,7 +84,8 @@ async fn two_worker_processes_host_and_move_an_agent(pool: PgPool) {
         let (cap, blobs) = sample_capsule_variant(agent, "origin", 0, variant);
         let dir = root.join("in").join(agent);
         cap.write_dir(&dir, &blobs, None).unwrap();
-        airlock_admin::capsule::import(&pool, &store, &dir, "test").await.unwrap();
+        let trust = airlock_admin::capsule::Trust { trusted_keys: &[], allow_unsigned: true };
+        airlock_admin::capsule::import(&pool, &store, &dir, "test", &trust).await.unwrap();
     }
     assert_eq!(migrate(&app, "agent-8", "node_b").await["outcome"], "completed");
     let m = migrate(&app, "agent-7", "node_a").await;

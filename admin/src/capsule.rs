@@ -8,7 +8,7 @@
 use std::path::{Path as FsPath, PathBuf};
 
 use airlock_capsule::archive::{self, Archive, DirArchive, StoreBlobs};
-use airlock_capsule::files::{BlobSource, CapsuleFiles, now_rfc3339};
+use airlock_capsule::files::{BlobSource, CapsuleFiles, TarLimits, now_rfc3339};
 use airlock_capsule::manifest::Signer;
 use airlock_capsule::relocation::{self, Relocation};
 use airlock_capsule::verify::{VerifyOptions, verify_path};
@@ -65,7 +65,7 @@ pub enum CapsuleCommand {
 pub async fn run(command: CapsuleCommand) -> anyhow::Result<()> {
     match command {
         CapsuleCommand::Verify { path, keys, require_signature } => {
-            verify(&path, &VerifyOptions { trusted_keys: keys, require_signature })
+            verify(&path, &VerifyOptions { trusted_keys: keys, require_signature, ..VerifyOptions::default() })
         }
         CapsuleCommand::Export { agent_id, out, tar, sign } => {
             let cfg = Config::load()?;
@@ -88,7 +88,8 @@ pub async fn run(command: CapsuleCommand) -> anyhow::Result<()> {
             let pool = airlock_core::db::connect(&cfg.database).await?;
             airlock_core::db::migrate(&pool).await?;
             let store = DirArchive::new(&cfg.capsules.store_dir);
-            let a = import(&pool, &store, &path, &cli_actor()).await?;
+            let limits = TarLimits::from_config(&cfg.capsules);
+            let a = import_within(&pool, &store, &path, &cli_actor(), &limits).await?;
             println!("imported {} at epoch {}", a.id, a.epoch);
             Ok(())
         }
@@ -147,7 +148,18 @@ pub async fn export(
 /// Verifies a capsule folder or tar and stores it: blobs and checkpoint into the store,
 /// the agent into Postgres (new, or a newer epoch of a stored agent), audited.
 pub async fn import(pool: &PgPool, store: &dyn Archive, path: &FsPath, actor: &str) -> anyhow::Result<agents::Agent> {
-    let report = verify_path(path, &VerifyOptions::default())?;
+    import_within(pool, store, path, actor, &TarLimits::default()).await
+}
+
+/// [`import`] of a tar within `limits` (`capsules.max_tar_*`).
+pub async fn import_within(
+    pool: &PgPool,
+    store: &dyn Archive,
+    path: &FsPath,
+    actor: &str,
+    limits: &TarLimits,
+) -> anyhow::Result<agents::Agent> {
+    let report = verify_path(path, &VerifyOptions { tar_limits: *limits, ..VerifyOptions::default() })?;
     if !report.is_ok() {
         let lines: Vec<String> = report.problems.iter().map(ToString::to_string).collect();
         anyhow::bail!("{} does not verify:\n{}", path.display(), lines.join("\n"));
@@ -156,7 +168,7 @@ pub async fn import(pool: &PgPool, store: &dyn Archive, path: &FsPath, actor: &s
         let (c, b) = CapsuleFiles::read_dir(path)?;
         (c, Box::new(b))
     } else {
-        let (c, b) = CapsuleFiles::read_tar(path)?;
+        let (c, b) = CapsuleFiles::read_tar_within(path, limits)?;
         (c, Box::new(b))
     };
     cap.check()?;

@@ -8,7 +8,7 @@
 use std::path::{Path as FsPath, PathBuf};
 
 use airlock_capsule::archive::{self, Archive, DirArchive, StoreBlobs};
-use airlock_capsule::files::{BlobSource, CapsuleFiles, now_rfc3339};
+use airlock_capsule::files::{BlobSource, CapsuleFiles, TarLimits, now_rfc3339};
 use airlock_capsule::manifest::Signer;
 use airlock_capsule::relocation::{self, Relocation};
 use airlock_capsule::verify::{VerifyOptions, verify_path};
@@ -72,7 +72,7 @@ pub enum CapsuleCommand {
 pub async fn run(command: CapsuleCommand) -> anyhow::Result<()> {
     match command {
         CapsuleCommand::Verify { path, keys, require_signature } => {
-            verify(&path, &VerifyOptions { trusted_keys: keys, require_signature })
+            verify(&path, &VerifyOptions { trusted_keys: keys, require_signature, ..VerifyOptions::default() })
         }
         CapsuleCommand::Export { agent_id, out, tar, sign } => {
             let cfg = Config::load()?;
@@ -97,7 +97,8 @@ pub async fn run(command: CapsuleCommand) -> anyhow::Result<()> {
             airlock_core::db::migrate(&pool).await?;
             let store = DirArchive::new(&cfg.capsules.store_dir);
             let trust = Trust { trusted_keys: &cfg.capsules.trusted_keys, allow_unsigned };
-            let a = import(&pool, &store, &path, &cli_actor(), &trust).await?;
+            let limits = TarLimits::from_config(&cfg.capsules);
+            let a = import_within(&pool, &store, &path, &cli_actor(), &trust, &limits).await?;
             println!("imported {} at epoch {}", a.id, a.epoch);
             Ok(())
         }
@@ -195,7 +196,19 @@ pub async fn import(
     actor: &str,
     trust: &Trust<'_>,
 ) -> anyhow::Result<agents::Agent> {
-    let report = verify_path(path, &VerifyOptions::default())?;
+    import_within(pool, store, path, actor, trust, &TarLimits::default()).await
+}
+
+/// [`import`] of a tar within `limits` (`capsules.max_tar_*`).
+pub async fn import_within(
+    pool: &PgPool,
+    store: &dyn Archive,
+    path: &FsPath,
+    actor: &str,
+    trust: &Trust<'_>,
+    limits: &TarLimits,
+) -> anyhow::Result<agents::Agent> {
+    let report = verify_path(path, &VerifyOptions { tar_limits: *limits, ..VerifyOptions::default() })?;
     if !report.is_ok() {
         let lines: Vec<String> = report.problems.iter().map(ToString::to_string).collect();
         anyhow::bail!("{} does not verify:\n{}", path.display(), lines.join("\n"));
@@ -203,13 +216,16 @@ pub async fn import(
     // Signed, and by whom it claims: now whether that key is one the operator trusts.
     let trusted = report.signed
         && !trust.trusted_keys.is_empty()
-        && verify_path(path, &VerifyOptions { trusted_keys: trust.trusted_keys.to_vec(), require_signature: true })?
-            .is_ok();
+        && verify_path(
+            path,
+            &VerifyOptions { trusted_keys: trust.trusted_keys.to_vec(), require_signature: true, tar_limits: *limits },
+        )?
+        .is_ok();
     let (cap, blobs): (CapsuleFiles, Box<dyn BlobSource>) = if std::fs::metadata(path)?.is_dir() {
         let (c, b) = CapsuleFiles::read_dir(path)?;
         (c, Box::new(b))
     } else {
-        let (c, b) = CapsuleFiles::read_tar(path)?;
+        let (c, b) = CapsuleFiles::read_tar_within(path, limits)?;
         (c, Box::new(b))
     };
     cap.check()?;

@@ -255,7 +255,7 @@ fn declared(id: &str, t: &ToolConfig, cfg: &Config) -> Result<Tool, String> {
     // The same rule as a webhook delivery's URL: an allowed origin, HTTPS (plain HTTP
     // only to loopback, when the operator allows it).
     airlock_delivery::policy::check_webhook_url(
-        &cfg.delivery.webhook_origins,
+        &cfg.delivery.allowed_webhook_origins(),
         &t.url,
         cfg.delivery.webhook_allow_plaintext_loopback,
     )

@@ -304,10 +304,16 @@ impl CapsuleFiles {
         Ok((Self { manifest, files }, DirBlobs(dir.join(BLOBS_DIR))))
     }
 
-    /// Reads a capsule tar (verify it first: this only parses). Blobs come back in memory.
+    /// Reads a capsule tar (verify it first: this only parses) within the default
+    /// [`TarLimits`]. Blobs come back in memory.
     pub fn read_tar(path: &Path) -> Result<(Self, BTreeMap<String, Vec<u8>>), CapsuleError> {
+        Self::read_tar_within(path, &TarLimits::default())
+    }
+
+    /// [`read_tar`](Self::read_tar) within `limits`.
+    pub fn read_tar_within(path: &Path, limits: &TarLimits) -> Result<(Self, BTreeMap<String, Vec<u8>>), CapsuleError> {
         let mut all = BTreeMap::new();
-        for_each_tar_entry(path, |p, body| {
+        for_each_tar_entry(path, limits, |p, body| {
             all.insert(p.to_string(), body);
             Ok(())
         })?;
@@ -348,15 +354,42 @@ impl CapsuleFiles {
     }
 }
 
+/// How much a capsule tar may hold: checked against each entry's header before its body
+/// is read or any memory is set aside for it, so a header claiming a huge file costs
+/// nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TarLimits {
+    /// The largest file (`capsules.max_tar_entry_bytes`).
+    pub max_entry_bytes: u64,
+    /// The most all files may hold together (`capsules.max_tar_total_bytes`).
+    pub max_total_bytes: u64,
+}
+
+impl Default for TarLimits {
+    fn default() -> Self {
+        let d = airlock_core::config::CapsulesConfig::default();
+        Self { max_entry_bytes: d.max_tar_entry_bytes, max_total_bytes: d.max_tar_total_bytes }
+    }
+}
+
+impl TarLimits {
+    pub fn from_config(c: &airlock_core::config::CapsulesConfig) -> Self {
+        Self { max_entry_bytes: c.max_tar_entry_bytes, max_total_bytes: c.max_tar_total_bytes }
+    }
+}
+
 /// Calls `f` with each regular file of a tar (path, body). Directory entries are skipped;
 /// any other kind of entry (link, device) is reported to `f` with an empty body and a
-/// path prefixed by `\0` so a verifier can name it.
+/// path prefixed by `\0` so a verifier can name it. An entry over `limits` (by its
+/// header) ends the walk with an error before its body is read.
 pub fn for_each_tar_entry(
     path: &Path,
+    limits: &TarLimits,
     mut f: impl FnMut(&str, Vec<u8>) -> Result<(), CapsuleError>,
 ) -> Result<(), CapsuleError> {
     let file = std::fs::File::open(path)?;
     let mut archive = tar::Archive::new(io::BufReader::new(file));
+    let mut total = 0u64;
     for entry in archive.entries()? {
         let mut entry = entry?;
         let kind = entry.header().entry_type();
@@ -369,8 +402,23 @@ pub fn for_each_tar_entry(
             f(&format!("\0{p}"), Vec::new())?;
             continue;
         }
-        let mut body = Vec::with_capacity(entry.size() as usize);
-        entry.read_to_end(&mut body)?;
+        let size = entry.size();
+        if size > limits.max_entry_bytes {
+            return Err(invalid(format!(
+                "`{p}` is {size} bytes, more than the {} a capsule file may hold (capsules.max_tar_entry_bytes)",
+                limits.max_entry_bytes
+            )));
+        }
+        total = total.saturating_add(size);
+        if total > limits.max_total_bytes {
+            return Err(invalid(format!(
+                "the files are more than the {} bytes a capsule may hold (capsules.max_tar_total_bytes)",
+                limits.max_total_bytes
+            )));
+        }
+        // Within the limit, and never more than the header said.
+        let mut body = Vec::with_capacity(size as usize);
+        (&mut entry).take(size).read_to_end(&mut body)?;
         f(&p, body)?;
     }
     Ok(())

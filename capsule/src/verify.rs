@@ -68,6 +68,8 @@ pub struct VerifyOptions {
     pub trusted_keys: Vec<String>,
     /// Report `missing: manifest.sig` for an unsigned capsule.
     pub require_signature: bool,
+    /// How much a tar may hold (a tar over them does not verify).
+    pub tar_limits: super::files::TarLimits,
 }
 
 /// One file as found on disk or in the tar.
@@ -106,7 +108,7 @@ impl Scan {
 /// Verifies a capsule folder, or a tar when `path` is a file.
 pub fn verify_path(path: &Path, opts: &VerifyOptions) -> io::Result<Report> {
     let meta = std::fs::metadata(path)?;
-    let scan = if meta.is_dir() { scan_dir(path)? } else { scan_tar(path)? };
+    let scan = if meta.is_dir() { scan_dir(path)? } else { scan_tar(path, &opts.tar_limits)? };
     Ok(check(scan, opts))
 }
 
@@ -152,9 +154,9 @@ fn hash_file(path: &Path, keep: bool) -> io::Result<(String, u64, Option<Vec<u8>
     Ok((hex::encode(hasher.finalize()), size, kept))
 }
 
-fn scan_tar(path: &Path) -> io::Result<Scan> {
+fn scan_tar(path: &Path, limits: &super::files::TarLimits) -> io::Result<Scan> {
     let mut scan = Scan::default();
-    let r = for_each_tar_entry(path, |p, body| {
+    let r = for_each_tar_entry(path, limits, |p, body| {
         if let Some(odd) = p.strip_prefix('\0') {
             scan.add(odd.to_string(), None, Found { sha256: String::new(), size: 0, regular: false });
             return Ok(());

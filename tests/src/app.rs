@@ -23,6 +23,21 @@ use crate::webhook::WebhookReceiver;
 pub const WEBHOOK_SECRET: &str = "test-webhook-secret";
 /// Name of the variable holding it.
 pub const WEBHOOK_SECRET_ENV: &str = "AIRLOCK_TEST_WEBHOOK_SECRET";
+/// The Standard Webhooks secret of the test receiver's origin (its endpoint `hooks`).
+pub const HOOKS_ENDPOINT_SECRET: &str = "whsec_dGVzdC1yZWNlaXZlci1rZXktMDEyMzQ1Njc4OWFiY2RlZg==";
+/// Name of the variable holding it.
+pub const HOOKS_ENDPOINT_SECRET_ENV: &str = "AIRLOCK_TEST_HOOKS_ENDPOINT_SECRET";
+
+/// The configuration of the test receiver at `origin` as the endpoint `hooks`: its own
+/// secret, and loopback allowed (it listens on 127.0.0.1).
+pub fn hooks_endpoint_env(origin: &str) -> Vec<(String, String)> {
+    vec![
+        ("AIRLOCK__DELIVERY__WEBHOOK_ENDPOINTS__HOOKS__ORIGIN".into(), origin.into()),
+        ("AIRLOCK__DELIVERY__WEBHOOK_ENDPOINTS__HOOKS__SECRET_ENV".into(), HOOKS_ENDPOINT_SECRET_ENV.into()),
+        ("AIRLOCK__DELIVERY__WEBHOOK_ENDPOINTS__HOOKS__ALLOW_LOOPBACK".into(), "true".into()),
+        (HOOKS_ENDPOINT_SECRET_ENV.into(), HOOKS_ENDPOINT_SECRET.into()),
+    ]
+}
 
 pub struct TestApp {
     pub pool: PgPool,
@@ -90,6 +105,7 @@ impl TestApp {
             ("AIRLOCK__API__LISTEN".into(), "127.0.0.1:0".into()),
             ("AIRLOCK__ADMIN__LISTEN".into(), "127.0.0.1:0".into()),
         ];
+        env.extend(hooks_endpoint_env(&hooks.origin()));
         // `{hooks}` in a value stands for the webhook receiver's origin.
         for (k, v) in extra {
             env.retain(|(ek, _)| ek != k);
@@ -135,6 +151,12 @@ impl TestApp {
             stop,
             _dir: TempDir(dir),
         }
+    }
+
+    /// The value of the variable `name` of this app's environment (how in-process workers
+    /// read their secrets).
+    pub fn secret(&self, name: &str) -> Option<airlock_core::secret::Secret> {
+        self.env.iter().rev().find(|(k, _)| k == name).map(|(_, v)| airlock_core::secret::Secret::new(v.clone()))
     }
 
     /// The configuration's environment as `(&str, &str)` pairs, for `harness::spawn`.
@@ -271,8 +293,7 @@ impl TestApp {
     pub fn start_worker(&self, id: &str) -> (CancellationToken, tokio::task::JoinHandle<anyhow::Result<()>>) {
         let mut settings = airlock_worker::WorkerSettings::from_config(&self.config, id.to_string());
         settings.shutdown_grace = Duration::from_secs(10);
-        let secret = airlock_core::secret::Secret::new(WEBHOOK_SECRET);
-        let registry = airlock_worker::app::registry_with(&self.config, id, Some(secret)).expect("registry");
+        let registry = airlock_worker::app::registry_with(&self.config, id, &|n| self.secret(n)).expect("registry");
         let worker = airlock_worker::Worker::new(self.pool.clone(), registry, settings);
         let stop = CancellationToken::new();
         let handle = tokio::spawn(worker.run(stop.clone()));

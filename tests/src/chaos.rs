@@ -222,7 +222,7 @@ pub async fn run(cfg: &ChaosConfig) -> anyhow::Result<Summary> {
     let ca_file = ca.write_ca_file(&cfg.log_dir)?;
     let smtp = SmtpServer::start(SmtpOptions::starttls(ca.clone())).await?;
     let hooks = WebhookReceiver::start().await?;
-    let env: Vec<(String, String)> = vec![
+    let mut env: Vec<(String, String)> = vec![
         ("DATABASE_URL".into(), db_url.clone()),
         ("AIRLOCK__SMTP__HOST".into(), "127.0.0.1".into()),
         ("AIRLOCK__SMTP__PORT".into(), smtp.port().to_string()),
@@ -240,6 +240,7 @@ pub async fn run(cfg: &ChaosConfig) -> anyhow::Result<Summary> {
         ("AIRLOCK__WORKER__RESCUE_INTERVAL_SECONDS".into(), "1".into()),
         ("AIRLOCK__WORKER__SHUTDOWN_GRACE_SECONDS".into(), "5".into()),
     ];
+    env.extend(crate::app::hooks_endpoint_env(&hooks.origin()));
     let config = Config::from_sources(None, &env).context("the run's configuration")?;
 
     // Principals, grants and the switch, as an operator would set them up.

@@ -20,6 +20,10 @@ pub struct Hit {
     pub path: String,
     pub idempotency_key: Option<String>,
     pub signature: Option<String>,
+    /// The Standard Webhooks headers, as received.
+    pub webhook_id: Option<String>,
+    pub webhook_timestamp: Option<String>,
+    pub webhook_signature: Option<String>,
     pub body: Vec<u8>,
     pub answered: u16,
 }
@@ -92,6 +96,9 @@ async fn receive(
         path: uri.path().to_string(),
         idempotency_key: header("idempotency-key"),
         signature: header("airlock-signature"),
+        webhook_id: header("webhook-id"),
+        webhook_timestamp: header("webhook-timestamp"),
+        webhook_signature: header("webhook-signature"),
         body: body.to_vec(),
         answered: status,
     });

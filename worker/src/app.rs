@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use airlock_channels::email::SmtpSender;
-use airlock_channels::webhook::{WebhookSender, WebhookSetupError};
+use airlock_channels::webhook::WebhookSender;
 use airlock_core::config::Config;
 use airlock_core::secret::Secret;
 use airlock_delivery::pipeline::{SCORE_JOB, SEND_JOB};
@@ -19,12 +19,19 @@ use crate::runtime::{Worker, WorkerSettings};
 /// send safely (a missing CA file, plaintext to a remote host, a missing signing secret
 /// while webhook origins are allowed).
 pub fn registry(cfg: &Arc<Config>, worker_id: &str) -> anyhow::Result<Registry> {
-    registry_with(cfg, worker_id, airlock_core::secret::from_env(&cfg.delivery.webhook_secret_env))
+    registry_with(cfg, worker_id, &airlock_core::secret::from_env)
 }
 
-/// [`registry`] with the webhook signing secret given rather than read from the
-/// environment variable the configuration names.
-pub fn registry_with(cfg: &Arc<Config>, worker_id: &str, webhook_secret: Option<Secret>) -> anyhow::Result<Registry> {
+/// [`registry`] with secrets read by `secret_of` (given a variable's name) rather than
+/// from the process environment.
+pub fn registry_with(
+    cfg: &Arc<Config>,
+    worker_id: &str,
+    secret_of: &dyn Fn(&str) -> Option<Secret>,
+) -> anyhow::Result<Registry> {
+    let sender = |timeout: Duration| {
+        WebhookSender::from_config(&cfg.delivery, timeout, secret_of, Arc::new(airlock_channels::address::SystemLookup))
+    };
     let mut r = Registry::new();
     let judge = match &cfg.scoring.model {
         None => None,
@@ -41,26 +48,18 @@ pub fn registry_with(cfg: &Arc<Config>, worker_id: &str, webhook_secret: Option<
         ScoreHandler::new(cfg.clone(), Arc::new(DefaultScorer::new(cfg.delivery.known_domains.clone())), judge),
     );
     let smtp = SmtpSender::from_config(&cfg.smtp)?;
-    let webhook = if cfg.delivery.webhook_origins.is_empty() {
+    let webhook = if cfg.delivery.allowed_webhook_origins().is_empty() {
         None
     } else {
-        let secret = webhook_secret
-            .clone()
-            .ok_or_else(|| WebhookSetupError::MissingSecret(cfg.delivery.webhook_secret_env.clone()))?;
-        Some(WebhookSender::new(secret, Duration::from_secs(cfg.delivery.webhook_timeout_seconds.max(1)))?)
+        Some(sender(Duration::from_secs(cfg.delivery.webhook_timeout_seconds.max(1)))?)
     };
     r.register(SEND_JOB, SendHandler::new(cfg.clone(), worker_id.to_string(), Some(smtp), webhook));
     crate::sandbox::register(&mut r, cfg, worker_id)?;
-    let tools = match (&webhook_secret, cfg.tools.is_empty()) {
-        (_, true) => None,
-        (Some(secret), false) => {
-            let timeout = Duration::from_secs(cfg.agent.tool_timeout_seconds);
-            let sender = WebhookSender::new(secret.clone(), timeout)?;
-            Some(Arc::new(crate::turn::WebhookTransport(sender)) as Arc<dyn airlock_agent::tools::Transport>)
-        }
-        (None, false) => {
-            return Err(WebhookSetupError::MissingSecret(cfg.delivery.webhook_secret_env.clone()).into());
-        }
+    let tools = if cfg.tools.is_empty() {
+        None
+    } else {
+        let sender = sender(Duration::from_secs(cfg.agent.tool_timeout_seconds))?;
+        Some(Arc::new(crate::turn::WebhookTransport(sender)) as Arc<dyn airlock_agent::tools::Transport>)
     };
     crate::turn::register(&mut r, cfg, tools)?;
     crate::migrate::register(&mut r, cfg, worker_id)?;

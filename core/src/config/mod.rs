@@ -48,6 +48,9 @@ pub struct Config {
     pub api: ListenConfig<ApiDefault>,
     #[serde(default)]
     pub admin: ListenConfig<AdminDefault>,
+    /// How every listener of the process serves slow or idle clients (`http.*`).
+    #[serde(default)]
+    pub http: HttpServeConfig,
     #[serde(default)]
     pub smtp: SmtpConfig,
     #[serde(default)]
@@ -205,6 +208,39 @@ pub struct DeliveryConfig {
     pub max_recipients: usize,
     /// Attempts of a send job before the delivery fails.
     pub max_send_attempts: i32,
+    /// Webhook receivers by name (`delivery.webhook_endpoints.<name>.*`): each origin's
+    /// own signing secret and the addresses it may resolve to. An endpoint's origin is an
+    /// allowed origin.
+    pub webhook_endpoints: std::collections::BTreeMap<String, WebhookEndpoint>,
+}
+
+/// One webhook receiver: its origin, the variable holding its Standard Webhooks secret
+/// (`whsec_<base64 key>`), and whether its name may resolve to this machine or a private
+/// network (refused by default, so a DNS answer cannot point a webhook inward).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookEndpoint {
+    /// `https://host[:port]` (or loopback `http://` with
+    /// `delivery.webhook_allow_plaintext_loopback`).
+    pub origin: String,
+    /// Name of the environment variable holding this receiver's `whsec_` secret.
+    pub secret_env: String,
+    /// The origin may resolve to (or be) a loopback address (127.0.0.0/8, ::1).
+    #[serde(default)]
+    pub allow_loopback: bool,
+    /// The origin may resolve to (or be) a private address (10/8, 172.16/12,
+    /// 192.168/16, 100.64/10, fc00::/7). Link-local and metadata addresses stay refused.
+    #[serde(default)]
+    pub allow_private: bool,
+}
+
+impl DeliveryConfig {
+    /// Every allowed webhook origin: `webhook_origins` and the endpoints' origins.
+    pub fn allowed_webhook_origins(&self) -> Vec<String> {
+        let mut all = self.webhook_origins.clone();
+        all.extend(self.webhook_endpoints.values().map(|e| e.origin.clone()));
+        all
+    }
 }
 
 impl Default for DeliveryConfig {
@@ -219,7 +255,58 @@ impl Default for DeliveryConfig {
             max_artifact_bytes: 256 * 1024,
             max_recipients: 50,
             max_send_attempts: 8,
+            webhook_endpoints: Default::default(),
         }
+    }
+}
+
+/// How a listener serves its connections (`http.*`): the same for the api, the admin
+/// service, a worker's metrics and the node protocol, so no slow client can hold one.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpServeConfig {
+    /// A request's head (line and headers) must arrive within this, counted from when the
+    /// connection waits for it (so it is also how long a kept-alive connection may idle
+    /// between requests).
+    pub header_read_timeout_seconds: u64,
+    /// A request must be answered within this (its body read included), else 408.
+    pub request_timeout_seconds: u64,
+    /// A connection on which nothing is read or written for this long is closed (a client
+    /// that stops reading its answer, or stops sending its body).
+    pub idle_timeout_seconds: u64,
+    /// Connections served at once; more wait to be accepted.
+    pub max_connections: usize,
+}
+
+impl Default for HttpServeConfig {
+    fn default() -> Self {
+        Self {
+            header_read_timeout_seconds: 10,
+            request_timeout_seconds: 30,
+            idle_timeout_seconds: 60,
+            max_connections: 1024,
+        }
+    }
+}
+
+impl HttpServeConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if !(1..=3600).contains(&self.header_read_timeout_seconds) {
+            return Err(invalid("http.header_read_timeout_seconds", "must be between 1 and 3600"));
+        }
+        if !(1..=86_400).contains(&self.request_timeout_seconds) {
+            return Err(invalid("http.request_timeout_seconds", "must be between 1 and 86400"));
+        }
+        if self.idle_timeout_seconds < self.request_timeout_seconds || self.idle_timeout_seconds > 86_400 {
+            return Err(invalid(
+                "http.idle_timeout_seconds",
+                "must be at least http.request_timeout_seconds and at most 86400",
+            ));
+        }
+        if !(1..=100_000).contains(&self.max_connections) {
+            return Err(invalid("http.max_connections", "must be between 1 and 100000"));
+        }
+        Ok(())
     }
 }
 
@@ -474,6 +561,24 @@ impl Config {
         if self.delivery.max_send_attempts < 1 {
             return Err(invalid("delivery.max_send_attempts", "must be at least 1"));
         }
+        for (name, e) in &self.delivery.webhook_endpoints {
+            let rest = e.origin.trim().strip_prefix("https://").or_else(|| e.origin.trim().strip_prefix("http://"));
+            if rest.is_none_or(|r| {
+                r.trim_end_matches('/').is_empty() || r.trim_end_matches('/').contains(['/', '?', '#', '@'])
+            }) {
+                return Err(invalid(
+                    "delivery.webhook_endpoints",
+                    format!("`delivery.webhook_endpoints.{name}.origin`: expected https://host[:port]"),
+                ));
+            }
+            if e.secret_env.trim().is_empty() {
+                return Err(invalid(
+                    "delivery.webhook_endpoints",
+                    format!("`delivery.webhook_endpoints.{name}.secret_env`: must name an environment variable"),
+                ));
+            }
+        }
+        self.http.validate()?;
         self.validate_capsules()?;
         self.runs.validate()?;
         self.validate_models()?;
@@ -547,6 +652,11 @@ pub struct CapsulesConfig {
     /// ed25519 public keys (hex) whose signatures `capsule import` trusts: an import needs
     /// a signature by one of them (or `--allow-unsigned`, audited, for a new agent only).
     pub trusted_keys: Vec<String>,
+    /// The largest file a capsule tar may hold; a bigger entry is refused from its header,
+    /// before anything is read or allocated.
+    pub max_tar_entry_bytes: u64,
+    /// The most a capsule tar's files may hold together.
+    pub max_tar_total_bytes: u64,
 }
 
 impl Default for CapsulesConfig {
@@ -562,6 +672,8 @@ impl Default for CapsulesConfig {
             keyring_file: None,
             keyring_env_prefix: "AIRLOCK_SECRET_".into(),
             trusted_keys: Vec::new(),
+            max_tar_entry_bytes: 64 * 1024 * 1024,
+            max_tar_total_bytes: 1024 * 1024 * 1024,
         }
     }
 }
@@ -624,6 +736,12 @@ impl Config {
         }
         if c.reconcile_interval_seconds == 0 {
             return Err(invalid("capsules.reconcile_interval_seconds", "must be positive"));
+        }
+        if c.max_tar_entry_bytes == 0 || c.max_tar_total_bytes < c.max_tar_entry_bytes {
+            return Err(invalid(
+                "capsules.max_tar_total_bytes",
+                "capsules.max_tar_entry_bytes must be positive and at most capsules.max_tar_total_bytes",
+            ));
         }
         Ok(())
     }

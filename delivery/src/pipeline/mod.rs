@@ -165,7 +165,7 @@ pub fn check_policy(cfg: &Config, artifact: &Artifact) -> Result<(), PipelineErr
         Artifact::Email { email } => policy::check_sender(&cfg.delivery.senders, &email.from)
             .map_err(|e| PipelineError::Invalid(format!("email.from: {e}"))),
         Artifact::Webhook { webhook } => policy::check_webhook_url(
-            &cfg.delivery.webhook_origins,
+            &cfg.delivery.allowed_webhook_origins(),
             &webhook.url,
             cfg.delivery.webhook_allow_plaintext_loopback,
         )

@@ -9,3 +9,4 @@ mod journal;
 mod migration;
 mod processes;
 mod render;
+mod tar_limits;

@@ -10,5 +10,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod mcp;
+mod openapi;
 mod page;
 mod schemas;
+mod webhook_signatures;

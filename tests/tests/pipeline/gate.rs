@@ -123,7 +123,9 @@ async fn a_sender_removed_after_approval_is_refused_at_send_time(pool: PgPool) {
 async fn a_webhook_origin_removed_after_approval_is_refused_at_send_time(pool: PgPool) {
     let app = TestApp::start(pool, &[]).await;
     let claimed = claimed_sends(&app, 1, 2).await;
-    let cfg = reconfigured(&app, "AIRLOCK__DELIVERY__WEBHOOK_ORIGINS", "https://elsewhere.example");
+    // The receiver's origin leaves both the list and its endpoint entry.
+    let mut cfg = reconfigured(&app, "AIRLOCK__DELIVERY__WEBHOOK_ORIGINS", "https://elsewhere.example");
+    cfg.delivery.webhook_endpoints.clear();
     let starts = pipeline::begin_send_many(&app.pool, &cfg, "probe", &claimed).await;
     let mut webhooks = 0;
     for ((lease, id), start) in claimed.iter().zip(&starts) {

@@ -6,3 +6,4 @@
 mod delivery;
 mod gate;
 mod http_surface;
+mod webhook_addresses;

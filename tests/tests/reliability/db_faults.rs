@@ -19,7 +19,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use airlock_delivery::state::DeliveryState;
-use airlock_tests::app::{TestApp, WEBHOOK_SECRET};
+use airlock_tests::app::TestApp;
 use airlock_tests::harness::{self, KillOnDrop};
 use airlock_tests::pgproxy::PgProxy;
 use airlock_tests::smtp::Fault;
@@ -207,8 +207,7 @@ async fn statement_timeouts_past_the_lease_park_the_delivery(pool: PgPool) {
 
     // Another worker's rescuer (passes on the suite's pool, which has no statement timeout)
     // parks the email: a pass skips the job while one of B's tries holds its row.
-    let secret = airlock_core::secret::Secret::new(WEBHOOK_SECRET);
-    let registry = airlock_worker::app::registry_with(&app.config, "w-rescuer", Some(secret)).unwrap();
+    let registry = airlock_worker::app::registry_with(&app.config, "w-rescuer", &|n| app.secret(n)).unwrap();
     harness::wait_for("the rescuer to park the email", WAIT, || async {
         let c = airlock_worker::runtime::rescue_once(&app.pool, &registry, 100).await.unwrap();
         (c.parked == 1).then_some(())
@@ -253,8 +252,7 @@ async fn small_pool_worker(
         .await
         .unwrap();
     let settings = airlock_worker::WorkerSettings::from_config(&app.config, "w-small-pool".into());
-    let secret = airlock_core::secret::Secret::new(WEBHOOK_SECRET);
-    let registry = airlock_worker::app::registry_with(&app.config, "w-small-pool", Some(secret)).unwrap();
+    let registry = airlock_worker::app::registry_with(&app.config, "w-small-pool", &|n| app.secret(n)).unwrap();
     let stop = tokio_util::sync::CancellationToken::new();
     let handle = tokio::spawn(airlock_worker::Worker::new(pool.clone(), registry, settings).run(stop.clone()));
     assert!(app.smtp.wait_held(1, WAIT).await, "the worker reached the relay");
@@ -299,8 +297,7 @@ async fn an_exhausted_pool_past_the_lease_parks_the_delivery(pool: PgPool) {
     app.smtp.wait_for(1, WAIT).await;
     // No heartbeat gets through either: the lease runs out, and another worker's rescuer
     // (here, a pass on the suite's own pool) parks the email.
-    let secret = airlock_core::secret::Secret::new(WEBHOOK_SECRET);
-    let registry = airlock_worker::app::registry_with(&app.config, "w-rescuer", Some(secret)).unwrap();
+    let registry = airlock_worker::app::registry_with(&app.config, "w-rescuer", &|n| app.secret(n)).unwrap();
     harness::wait_for("the rescuer to park the email", WAIT, || async {
         assert_ne!(observe(&app, &id).await, "sent");
         let c = airlock_worker::runtime::rescue_once(&app.pool, &registry, 100).await.unwrap();

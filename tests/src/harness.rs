@@ -64,6 +64,22 @@ pub fn python() -> PathBuf {
         .clone()
 }
 
+/// Runs `script` with the test tools' interpreter ([`python`]), `stdin` written to it;
+/// its standard output and exit status.
+pub fn run_python(script: &str, stdin: &[u8]) -> std::process::Output {
+    use std::io::Write;
+    let mut child = Command::new(python())
+        .arg("-c")
+        .arg(script)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("run the test tools' python");
+    child.stdin.take().expect("a piped stdin").write_all(stdin).expect("write the script's input");
+    child.wait_with_output().expect("the script's output")
+}
+
 /// Spawns a real `airlock-*` binary with the given database and extra environment.
 /// Standard output is piped; logs go to stderr (shown with `--nocapture`).
 pub fn spawn(binary: &str, args: &[&str], db_url: &str, env: &[(&str, &str)]) -> Child {

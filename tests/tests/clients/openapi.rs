@@ -2,9 +2,6 @@
 //! (`openapi-spec-validator`, PyPI), and say what tools need: every response described,
 //! every error response with the error body's schema, every request body with a schema.
 
-use std::io::Write;
-use std::process::{Command, Stdio};
-
 use airlock_tests::app::TestApp;
 use airlock_tests::harness;
 use serde_json::Value;
@@ -22,16 +19,7 @@ except OpenAPIValidationError as e:
     print(str(e)[:4000])
     sys.exit(3)
 "#;
-    let mut child = Command::new(harness::python())
-        .arg("-c")
-        .arg(script)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("run the test tools' python");
-    child.stdin.take().unwrap().write_all(doc.to_string().as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = harness::run_python(script, doc.to_string().as_bytes());
     match out.status.code() {
         Some(0) => Ok(()),
         Some(3) => Err(String::from_utf8_lossy(&out.stdout).into_owned()),

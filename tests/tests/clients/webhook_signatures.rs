@@ -2,8 +2,6 @@
 //! with its origin's secret only: a receiver holding one origin's secret cannot verify (so
 //! cannot forge) another's. Deliveries and an agent turn's declared tool are signed alike.
 
-use std::io::Write;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -45,16 +43,7 @@ for case in json.load(sys.stdin):
         out.append("refused: " + str(e))
 print(json.dumps(out))
 "#;
-    let mut child = Command::new(harness::python())
-        .arg("-c")
-        .arg(script)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("run the test tools' python");
-    child.stdin.take().unwrap().write_all(serde_json::to_string(&input).unwrap().as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = harness::run_python(script, serde_json::to_string(&input).unwrap().as_bytes());
     assert!(out.status.success(), "the standardwebhooks script failed");
     let results: Vec<Option<String>> = serde_json::from_slice(&out.stdout).unwrap();
     results.into_iter().map(|r| r.map_or(Ok(()), Err)).collect()

@@ -430,8 +430,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let listener = tokio::net::TcpListener::bind(cfg.admin.listen).await?;
             tracing::info!(listen = %listener.local_addr()?, "admin listening");
             let shutdown = airlock_core::shutdown::on_signals()?;
+            let limits = airlock_http::ServeLimits::from(&cfg.http);
             let app = router(AppState { pool, config: std::sync::Arc::new(cfg) });
-            airlock_http::serve(listener, app, shutdown).await?;
+            airlock_http::serve(listener, app, limits, shutdown).await?;
             Ok(())
         }
     }

@@ -12,7 +12,8 @@ async fn main() -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(cfg.api.listen).await?;
     tracing::info!(listen = %listener.local_addr()?, "api listening");
     let shutdown = airlock_core::shutdown::on_signals()?;
+    let limits = airlock_http::ServeLimits::from(&cfg.http);
     let app = router(AppState::new(pool, std::sync::Arc::new(cfg))?);
-    airlock_http::serve(listener, app, shutdown).await?;
+    airlock_http::serve(listener, app, limits, shutdown).await?;
     Ok(())
 }

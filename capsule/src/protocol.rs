@@ -287,15 +287,41 @@ pub fn check(
     now: i64,
     max_skew_seconds: i64,
 ) -> Result<(), AuthError> {
+    check_headers(timestamp, signature, now, max_skew_seconds)?.verify(secret, method, path_and_query, body)
+}
+
+/// The signature headers of a call, well formed and fresh, not yet checked against its body.
+#[derive(Debug)]
+pub struct SignedHeaders {
+    timestamp: i64,
+    signature: Vec<u8>,
+}
+
+/// The part of [`check`] that needs no body: both headers present and well formed, the
+/// timestamp within `max_skew_seconds` of `now`. A server calls it before reading a body.
+pub fn check_headers(
+    timestamp: Option<&str>,
+    signature: Option<&str>,
+    now: i64,
+    max_skew_seconds: i64,
+) -> Result<SignedHeaders, AuthError> {
     let ts: i64 = timestamp.and_then(|t| t.trim().parse().ok()).ok_or(AuthError::Malformed)?;
     let sig = signature.and_then(|s| s.trim().strip_prefix("v1=")).ok_or(AuthError::Malformed)?;
-    let sig = hex::decode(sig).map_err(|_| AuthError::Malformed)?;
-    if (now - ts).abs() > max_skew_seconds {
-        return Err(AuthError::Stale(now - ts));
+    // An HMAC-SHA256 is 32 bytes: anything else cannot match, whatever the body.
+    let sig = hex::decode(sig).ok().filter(|s| s.len() == 32).ok_or(AuthError::Malformed)?;
+    if now.checked_sub(ts).is_none_or(|d| d.abs() > max_skew_seconds) {
+        return Err(AuthError::Stale(now.saturating_sub(ts)));
     }
-    mac(secret.expose().as_bytes(), method, path_and_query, ts, body)
-        .verify_slice(&sig)
-        .map_err(|_| AuthError::BadSignature)
+    Ok(SignedHeaders { timestamp: ts, signature: sig })
+}
+
+impl SignedHeaders {
+    /// Checks the signature over the call and its body.
+    pub fn verify(&self, secret: &Secret, method: &str, path_and_query: &str, body: &[u8]) -> Result<(), AuthError> {
+        mac(secret.expose().as_bytes(), method, path_and_query, self.timestamp, body)
+            .verify_slice(&self.signature)
+            .map_err(|_| AuthError::BadSignature)
+    }
 }
 
 /// The path of a call for `agent`.

@@ -6,7 +6,7 @@
 //! extractor whose refusals use the error body); [`Auth`], [`Access`], [`RouteRule`] and
 //! [`authorize`] (bearer tokens and the role table, enforced before any handler);
 //! [`assemble`] and [`finish`] (router assembly with the health routes, `/metrics` and
-//! `/openapi.json`); [`harden`] (timeouts and security headers); [`Page`] and
+//! `/openapi.json`); [`harden`] (security headers); [`Page`] and
 //! [`PageQuery`] (list pages); [`serve`].
 //!
 //! Errors answer `{"error": {"code", "message"}}`. 5xx bodies are opaque; their cause is
@@ -20,6 +20,9 @@ use axum::{Json, Router};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::PgPool;
+
+mod serve;
+pub use serve::{ServeLimits, serve};
 
 use airlock_core::error::{DomainError, ErrorKind};
 use airlock_core::metrics::Gauges;
@@ -458,7 +461,7 @@ pub fn complete_document(doc: &utoipa::openapi::OpenApi) -> serde_json::Value {
     v
 }
 
-/// Request timeout and security headers. No CORS layer: browsers may not call these
+/// Security headers (the request timeout is the listener's: [`serve`]). No CORS layer: browsers may not call these
 /// services from another origin.
 pub fn harden<S: Clone + Send + Sync + 'static>(router: Router<S>) -> Router<S> {
     use axum::http::{HeaderName, HeaderValue};
@@ -467,10 +470,6 @@ pub fn harden<S: Clone + Send + Sync + 'static>(router: Router<S>) -> Router<S> 
         SetResponseHeaderLayer::if_not_present(HeaderName::from_static(name), HeaderValue::from_static(value))
     };
     router
-        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
-            StatusCode::REQUEST_TIMEOUT,
-            std::time::Duration::from_secs(30),
-        ))
         .layer(header("x-content-type-options", "nosniff"))
         .layer(header("x-frame-options", "DENY"))
         .layer(header("referrer-policy", "no-referrer"))
@@ -552,15 +551,6 @@ pub fn next_time_cursor<Id: std::fmt::Display>(
         }
         _ => None,
     }
-}
-
-/// Serves `router` on `listener` until `shutdown` fires.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    router: Router,
-    shutdown: tokio_util::sync::CancellationToken,
-) -> std::io::Result<()> {
-    axum::serve(listener, router).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
 }
 
 /// Parses an id (a typed id, or a bare UUID) from a path segment or a query value.

@@ -124,8 +124,9 @@ impl TestApp {
             pool: pool.clone(),
             config: config.clone(),
         });
-        tokio::spawn(airlock_http::serve(api_listener, api_router, stop.clone()));
-        tokio::spawn(airlock_http::serve(admin_listener, admin_router, stop.clone()));
+        let limits = airlock_http::ServeLimits::from(&config.http);
+        tokio::spawn(airlock_http::serve(api_listener, api_router, limits, stop.clone()));
+        tokio::spawn(airlock_http::serve(admin_listener, admin_router, limits, stop.clone()));
 
         let token = |name: &'static str, role: Role, agent: Option<&'static str>| {
             let pool = pool.clone();

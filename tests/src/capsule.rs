@@ -243,7 +243,12 @@ impl TestNode {
         let svc = NodeService::open(settings, store, keyring()).expect("open node");
         let addr = listener.local_addr().expect("node addr");
         let stop = CancellationToken::new();
-        let handle = tokio::spawn(airlock_worker::node::server::serve(svc.clone(), listener, stop.clone()));
+        let handle = tokio::spawn(airlock_worker::node::server::serve(
+            svc.clone(),
+            listener,
+            airlock_http::ServeLimits::default(),
+            stop.clone(),
+        ));
         Self {
             id: id.to_string(),
             svc,

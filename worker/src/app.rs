@@ -79,7 +79,12 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> anyhow::Result<()>
     if let Some(addr) = cfg.worker.metrics_listen {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         tracing::info!(listen = %listener.local_addr()?, "worker health and metrics listening");
-        tokio::spawn(airlock_http::serve(listener, ops_router(pool.clone()), shutdown.clone()));
+        tokio::spawn(airlock_http::serve(
+            listener,
+            ops_router(pool.clone()),
+            airlock_http::ServeLimits::from(&cfg.http),
+            shutdown.clone(),
+        ));
     }
     let node = crate::node::start_from_config(&cfg, &pool, &shutdown).await?;
     let result = Worker::new(pool, registry, settings).run(shutdown).await;

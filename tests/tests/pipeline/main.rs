@@ -6,4 +6,5 @@
 mod delivery;
 mod gate;
 mod http_surface;
+mod slow_clients;
 mod webhook_addresses;

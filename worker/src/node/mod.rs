@@ -52,6 +52,8 @@ pub enum NodeError {
     Validation(String),
     #[error("{0}")]
     Unauthenticated(String),
+    #[error("{0}")]
+    TooLarge(String),
     #[error(transparent)]
     Internal(#[from] anyhow::Error),
 }
@@ -66,6 +68,7 @@ impl NodeError {
             NodeError::MissingBlobs(_) => (409, "MISSING_BLOBS"),
             NodeError::Validation(_) => (400, "VALIDATION"),
             NodeError::Unauthenticated(_) => (401, "UNAUTHENTICATED"),
+            NodeError::TooLarge(_) => (413, "PAYLOAD_TOO_LARGE"),
             NodeError::Internal(_) => (500, "INTERNAL"),
         }
     }
@@ -585,13 +588,15 @@ pub async fn start_from_config(
     let listener = tokio::net::TcpListener::bind(cfg.worker.node_listen).await?;
     tracing::info!(node.id = %id, listen = %listener.local_addr()?, "node service listening");
     let interval = std::time::Duration::from_secs(cfg.capsules.reconcile_interval_seconds);
-    Ok(Some(tokio::spawn(run(svc, listener, pool.clone(), interval, shutdown.clone()))))
+    let limits = airlock_http::ServeLimits::from(&cfg.http);
+    Ok(Some(tokio::spawn(run(svc, listener, limits, pool.clone(), interval, shutdown.clone()))))
 }
 
 /// Serves the protocol and reconciles lost records until `shutdown` fires.
 pub async fn run(
     svc: Arc<NodeService>,
     listener: tokio::net::TcpListener,
+    limits: airlock_http::ServeLimits,
     pool: sqlx::PgPool,
     reconcile_every: std::time::Duration,
     shutdown: tokio_util::sync::CancellationToken,
@@ -613,7 +618,7 @@ pub async fn run(
             }
         }
     };
-    let server = server::serve(svc, listener, shutdown);
+    let server = server::serve(svc, listener, limits, shutdown);
     let (served, ()) = tokio::join!(server, reconciler);
     if let Err(e) = served {
         tracing::error!(error = %e, "node service stopped");

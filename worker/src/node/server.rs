@@ -24,8 +24,19 @@ use tokio_util::sync::CancellationToken;
 
 use super::{NodeError, NodeService};
 
-/// Upper bound on one request body (a blob, or a prepare with its files).
+/// Upper bound on the body of the calls that carry a capsule's content (a blob, or a
+/// prepare with its files).
 pub const MAX_BODY_BYTES: usize = 256 * 1024 * 1024;
+
+/// Upper bound on the body of every other call (epochs, journal entries, blob lists).
+pub const MAX_SMALL_BODY_BYTES: usize = 1024 * 1024;
+
+/// The calls allowed a body up to [`MAX_BODY_BYTES`]; all others get
+/// [`MAX_SMALL_BODY_BYTES`].
+fn carries_content(method: &axum::http::Method, path: &str) -> bool {
+    (method == axum::http::Method::PUT && path.contains("/blobs/"))
+        || (method == axum::http::Method::POST && path.ends_with("/prepare"))
+}
 
 impl IntoResponse for NodeError {
     fn into_response(self) -> Response {
@@ -73,32 +84,49 @@ pub fn router(svc: Arc<NodeService>) -> Router {
 pub async fn serve(
     svc: Arc<NodeService>,
     listener: tokio::net::TcpListener,
+    limits: airlock_http::ServeLimits,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    airlock_http::serve(listener, router(svc), shutdown).await
+    airlock_http::serve(listener, router(svc), limits, shutdown).await
 }
 
+/// Checks a call's signature. The headers (present, well formed, a fresh timestamp) are
+/// checked before a byte of the body is read, and the body is read only up to its call's
+/// limit (small for all but the content calls), so an unsigned caller can make the node
+/// neither wait for nor hold a large body.
 async fn authenticate(State(svc): Svc, req: Request, next: Next) -> Response {
     let (parts, body) = req.into_parts();
     let pq = parts.uri.path_and_query().map_or_else(|| parts.uri.path().to_string(), |p| p.as_str().to_string());
-    let Ok(bytes) = axum::body::to_bytes(body, MAX_BODY_BYTES).await else {
-        return NodeError::Validation("request body too large".into()).into_response();
-    };
     let header = |n: &str| parts.headers.get(n).and_then(|v| v.to_str().ok());
+    let refuse = |e: protocol::AuthError| {
+        tracing::warn!(path = %parts.uri.path(), error = %e, "node request refused");
+        // Not signed: an unauthenticated caller gets nothing it could replay.
+        NodeError::Unauthenticated(e.to_string()).into_response()
+    };
     let now = chrono::Utc::now().timestamp();
-    if let Err(e) = protocol::check(
-        svc.secret(),
-        parts.method.as_str(),
-        &pq,
+    let signed = match protocol::check_headers(
         header(TIMESTAMP_HEADER),
         header(SIGNATURE_HEADER),
-        &bytes,
         now,
         svc.max_skew_seconds(),
     ) {
-        tracing::warn!(path = %parts.uri.path(), error = %e, "node request refused");
-        // Not signed: an unauthenticated caller gets nothing it could replay.
-        return NodeError::Unauthenticated(e.to_string()).into_response();
+        Ok(signed) => signed,
+        Err(e) => return refuse(e),
+    };
+    let limit = if carries_content(&parts.method, parts.uri.path()) { MAX_BODY_BYTES } else { MAX_SMALL_BODY_BYTES };
+    let declared = parts
+        .headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return NodeError::TooLarge(format!("request body over {limit} bytes")).into_response();
+    }
+    let Ok(bytes) = axum::body::to_bytes(body, limit).await else {
+        return NodeError::TooLarge(format!("request body over {limit} bytes")).into_response();
+    };
+    if let Err(e) = signed.verify(svc.secret(), parts.method.as_str(), &pq, &bytes) {
+        return refuse(e);
     }
     let resp = next.run(Request::from_parts(parts, Body::from(bytes))).await;
     sign_response(&svc, &pq, resp).await

@@ -183,8 +183,12 @@ pub enum TokenCommand {
         /// The agent id an agent principal is bound to.
         #[arg(long)]
         agent: Option<String>,
+        /// Refuse the token once this long has passed: a number and a unit, `s`, `m`, `h`,
+        /// `d` or `w` (`90d`, `12h`); at most ten years. Without it the token lasts until revoked.
+        #[arg(long, value_parser = parse_duration)]
+        expires_in: Option<std::time::Duration>,
     },
-    /// List principals (names, roles, agents, revocation; never tokens).
+    /// List principals (names, roles, agents, creation, expiry, last use, revocation; never tokens).
     List,
     /// Revoke a principal's token at once.
     Revoke {
@@ -207,6 +211,26 @@ async fn probe(url: &str) -> anyhow::Result<()> {
 /// Who acts from the command line: the operating-system user, as the audit log shows it.
 fn cli_actor() -> String {
     format!("cli:{}", std::env::var("USER").ok().filter(|u| !u.is_empty()).unwrap_or_else(|| "unknown".into()))
+}
+
+/// `90d`, `12h`, `30m`, `3600s`, `2w`: a whole number and one unit.
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).ok_or_else(|| format!("`{s}` has no unit (s, m, h, d or w)"))?;
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n.parse().map_err(|_| format!("`{s}` does not start with a whole number"))?;
+    let unit_seconds = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        "w" => 7 * 86_400,
+        other => return Err(format!("`{other}` is not a unit: s, m, h, d or w")),
+    };
+    n.checked_mul(unit_seconds)
+        .filter(|&secs| secs > 0)
+        .map(std::time::Duration::from_secs)
+        .ok_or_else(|| format!("`{s}` must be more than 0 s and fit in a duration"))
 }
 
 async fn audit_cli(
@@ -249,7 +273,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             tracing::info!("migrations applied");
             Ok(())
         }
-        Command::Token { command: TokenCommand::Create { role, name, agent } } => {
+        Command::Token { command: TokenCommand::Create { role, name, agent, expires_in } } => {
             let role = Role::parse(&role)
                 .ok_or_else(|| anyhow::anyhow!("--role must be one of agent, reviewer, operator, admin"))?;
             let mut tx = audit_cli(
@@ -257,27 +281,34 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 "token.create",
                 &name,
                 None,
-                serde_json::json!({"role": role.as_str(), "agent": agent}),
+                serde_json::json!({"role": role.as_str(), "agent": agent,
+                                   "expires_in_seconds": expires_in.map(|d| d.as_secs())}),
             )
             .await?;
-            let (p, token) = principals::create(&mut *tx, &name, role, agent.as_deref()).await?;
+            let (p, token) = principals::create_expiring(&mut *tx, &name, role, agent.as_deref(), expires_in).await?;
             tx.commit().await?;
             tracing::info!(principal.id = %p.id, principal.name = %p.name, role = role.as_str(), "principal created");
             println!("{}", token.expose());
             Ok(())
         }
         Command::Token { command: TokenCommand::List } => {
-            println!("{:<32} {:<9} {:<24} {:<25} revoked", "name", "role", "agent", "created");
+            let time = |t: Option<chrono::DateTime<chrono::Utc>>| {
+                t.map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)).unwrap_or_else(|| "-".into())
+            };
+            println!(
+                "{:<32} {:<9} {:<24} {:<20} {:<20} {:<20} revoked",
+                "name", "role", "agent", "created", "expires", "last_used"
+            );
             for p in principals::list(&pool).await? {
                 println!(
-                    "{:<32} {:<9} {:<24} {:<25} {}",
+                    "{:<32} {:<9} {:<24} {:<20} {:<20} {:<20} {}",
                     p.name,
                     p.role.as_str(),
                     p.agent_id.as_deref().unwrap_or("-"),
-                    p.created_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-                    p.revoked_at
-                        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
-                        .unwrap_or_else(|| "-".into())
+                    time(Some(p.created_at)),
+                    time(p.expires_at),
+                    time(p.last_used_at),
+                    time(p.revoked_at)
                 );
             }
             Ok(())

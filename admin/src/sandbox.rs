@@ -39,7 +39,7 @@ pub struct ChooseBody {
 /// the task is queued to run; or `deny`.
 #[utoipa::path(post, path = "/admin/v1/tasks/{id}/choose", params(("id" = String, Path, description = "task id")),
     request_body = ChooseBody,
-    responses((status = 200, description = "the task"), (status = 400, description = "unknown tier, or a refusal without a note"),
+    responses((status = 200, description = "the task"), (status = 400, description = "unknown tier, or no note"),
         (status = 404), (status = 409, description = "the task is not awaiting a choice")))]
 pub async fn choose(
     State(state): State<AppState>,
@@ -53,7 +53,7 @@ pub async fn choose(
         (Some(t), false) => Choice::Tier(t),
         (None, true) => Choice::Deny,
         (Some(_), true) => return Err(ApiError::validation("tier: not with deny")),
-        (None, false) => return Err(ApiError::validation("tier: required (or deny with a note)")),
+        (None, false) => return Err(ApiError::validation("tier: required (or deny)")),
     };
     let task = service::choose(&state.pool, &state.config.sandbox, who, id, &choice, body.note.as_deref()).await?;
     Ok(Json(view::task(&state.pool, &task, true).await?))

@@ -212,6 +212,7 @@ pub async fn decide(
     if note.is_empty() || note.chars().count() > 2000 {
         return Err(TurnError::Invalid("note: why, 1 to 2000 characters, is required".into()));
     }
+    airlock_core::text::refuse_format_chars(note).map_err(|e| TurnError::Invalid(format!("note: {e}")))?;
     if let Decision::Grant { arguments_sha256 } = decision
         && !(arguments_sha256.len() == 64 && arguments_sha256.bytes().all(|b| b.is_ascii_hexdigit()))
     {

@@ -32,3 +32,4 @@ pub mod secret;
 pub mod shutdown;
 pub mod sync;
 pub mod telemetry;
+pub mod text;

@@ -68,6 +68,17 @@ pub struct Principal {
     pub agent_id: Option<String>,
     pub created_at: DateTime<Utc>,
     pub revoked_at: Option<DateTime<Utc>>,
+    /// When the token stops being accepted; `None`: never.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// The last time the token was accepted, to the minute.
+    pub last_used_at: Option<DateTime<Utc>>,
+}
+
+/// The columns of a [`Principal`], for `concat!` into static SQL.
+macro_rules! columns {
+    () => {
+        "id, name, role, agent_id, created_at, revoked_at, expires_at, last_used_at"
+    };
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -102,9 +113,32 @@ pub async fn create(
     role: Role,
     agent_id: Option<&str>,
 ) -> Result<(Principal, Secret), PrincipalError> {
+    create_expiring(db, name, role, agent_id, None).await
+}
+
+/// [`create`] with a token refused once `expires_in` has passed (`None`: never).
+pub async fn create_expiring(
+    db: impl PgExecutor<'_>,
+    name: &str,
+    role: Role,
+    agent_id: Option<&str>,
+    expires_in: Option<std::time::Duration>,
+) -> Result<(Principal, Secret), PrincipalError> {
     let name = name.trim();
+    let expires_in = match expires_in {
+        None => None,
+        Some(d) if d.is_zero() || d > MAX_EXPIRY => {
+            return Err(PrincipalError::Invalid("an expiry must be more than 0 s and at most 10 years"));
+        }
+        Some(d) => Some(i64::try_from(d.as_micros()).unwrap_or(i64::MAX)),
+    };
     if name.is_empty() || name.len() > 200 {
         return Err(PrincipalError::Invalid("name must be 1 to 200 characters"));
+    }
+    if name.chars().any(|c| c.is_control() || crate::text::is_format(c)) {
+        return Err(PrincipalError::Invalid(
+            "name must not contain control characters or invisible or direction-changing format characters",
+        ));
     }
     match (role, agent_id) {
         (Role::Agent, None) => return Err(PrincipalError::Invalid("an agent principal needs --agent AGENT_ID")),
@@ -117,15 +151,18 @@ pub async fn create(
         _ => {}
     }
     let token = generate_token();
-    let res = sqlx::query_as(
-        r#"INSERT INTO principals (id, name, role, agent_id, token_sha256) VALUES ($1, $2, $3, $4, $5)
-           RETURNING id, name, role, agent_id, created_at, revoked_at"#,
-    )
+    let res = sqlx::query_as(concat!(
+        "INSERT INTO principals (id, name, role, agent_id, token_sha256, expires_at)
+             VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6::bigint / 1e6))
+             RETURNING ",
+        columns!()
+    ))
     .bind(Uuid::now_v7())
     .bind(name)
     .bind(role)
     .bind(agent_id)
     .bind(token_hash(token.expose()))
+    .bind(expires_in)
     .fetch_one(db)
     .await;
     match res {
@@ -135,26 +172,39 @@ pub async fn create(
     }
 }
 
+/// The longest expiry a token may be given.
+const MAX_EXPIRY: std::time::Duration = std::time::Duration::from_secs(10 * 365 * 24 * 3600);
+
 /// Finds the live principal holding `token`, if any. A revoked token is refused from
-/// the moment its revocation commits (every request looks it up).
+/// the moment its revocation commits, an expiring one from its expiry (every request looks
+/// it up). Records the use, at most once a minute per principal, in the same statement.
 pub async fn authenticate(db: impl PgExecutor<'_>, token: &str) -> Result<Option<Principal>, sqlx::Error> {
     if !token.starts_with(TOKEN_PREFIX) || token.len() > 200 {
         return Ok(None);
     }
     let hash = token_hash(token);
-    let row: Option<(Vec<u8>, Principal)> =
-        sqlx::query_as::<_, (Vec<u8>, Uuid, String, Role, Option<String>, DateTime<Utc>, Option<DateTime<Utc>>)>(
-            r#"SELECT token_sha256, id, name, role, agent_id, created_at, revoked_at FROM principals
-           WHERE token_sha256 = $1 AND revoked_at IS NULL"#,
-        )
-        .bind(&hash)
-        .fetch_optional(db)
-        .await?
-        .map(|(h, id, name, role, agent_id, created_at, revoked_at)| {
-            (h, Principal { id, name, role, agent_id, created_at, revoked_at })
-        });
+    #[derive(FromRow)]
+    struct Row {
+        token_sha256: Vec<u8>,
+        #[sqlx(flatten)]
+        principal: Principal,
+    }
+    let row: Option<Row> = sqlx::query_as(concat!(
+        "WITH live AS (
+             SELECT token_sha256, ",
+        columns!(),
+        " FROM principals
+             WHERE token_sha256 = $1 AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now())),
+         touched AS (
+             UPDATE principals p SET last_used_at = now() FROM live
+             WHERE p.id = live.id AND (p.last_used_at IS NULL OR p.last_used_at < now() - interval '1 minute'))
+         SELECT * FROM live"
+    ))
+    .bind(&hash)
+    .fetch_optional(db)
+    .await?;
     // The index finds the row by hash; the final comparison does not leak timing.
-    Ok(row.filter(|(stored, _)| constant_time_eq(stored, &hash)).map(|(_, p)| p))
+    Ok(row.filter(|r| constant_time_eq(&r.token_sha256, &hash)).map(|r| r.principal))
 }
 
 /// Compares two byte strings in time that depends only on their length.
@@ -164,9 +214,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 /// Every principal, oldest first (tokens are never shown again).
 pub async fn list(db: impl PgExecutor<'_>) -> Result<Vec<Principal>, sqlx::Error> {
-    sqlx::query_as("SELECT id, name, role, agent_id, created_at, revoked_at FROM principals ORDER BY created_at, id")
-        .fetch_all(db)
-        .await
+    sqlx::query_as(concat!("SELECT ", columns!(), " FROM principals ORDER BY created_at, id")).fetch_all(db).await
 }
 
 /// Revokes a principal's token by name; true when it was live.

@@ -162,6 +162,7 @@ impl EmailAddress {
         if s.chars().any(|c| c.is_whitespace() || c.is_control()) {
             return Err(refuse("must not contain whitespace or control characters".into()));
         }
+        airlock_core::text::refuse_format_chars(s).map_err(refuse)?;
         if s.contains(['<', '>']) {
             return Err(refuse("must be a bare address, without a display name or angle brackets".into()));
         }
@@ -606,6 +607,8 @@ fn parse_email(v: &Value, limits: &Limits) -> Result<EmailArtifact, ValidationEr
     if subject.chars().any(|c| c.is_control() && c != '\t') {
         return Err(ValidationError::new("email.subject", "must not contain control characters"));
     }
+    // What the reviewer reads is what is sent: nothing invisible, nothing reordered.
+    airlock_core::text::refuse_format_chars(subject).map_err(|e| ValidationError::new("email.subject", e))?;
 
     let text = optional_str(map, "email", "text")?;
     let html = optional_str(map, "email", "html")?;
@@ -964,6 +967,12 @@ mod tests {
         for bad in ["Hi\r\nBcc: x@evil.org", "Hi\nthere", "nul\u{0}"] {
             assert_eq!(field_of(email(with(email_json(), "subject", json!(bad)))), "email.subject");
         }
+        for bad in ["Invoice \u{202E}fdp.exe", "Pay\u{200B}Pal", "\u{2066}isolated\u{2069}", "soft\u{00AD}hyphen"] {
+            let e = email(with(email_json(), "subject", json!(bad))).unwrap_err();
+            assert_eq!(e.field, "email.subject");
+            assert!(e.message.contains("format characters"), "{}", e.message);
+        }
+        assert!(email(with(email_json(), "to", json!(["bob\u{200B}@example.org"]))).is_err());
         assert!(email(with(email_json(), "subject", json!("a\tb"))).is_ok());
         assert!(email(with(email_json(), "subject", json!(""))).is_ok());
         assert!(email(with(email_json(), "subject", json!("é".repeat(998)))).is_ok());

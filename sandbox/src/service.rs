@@ -193,17 +193,22 @@ pub async fn choose(
     choice: &Choice,
     note: Option<&str>,
 ) -> Result<Task, SandboxError> {
-    let note = note.map(str::trim).filter(|n| !n.is_empty());
-    if note.is_some_and(|n| n.chars().count() > 2000) {
-        return Err(SandboxError::Invalid("note: at most 2000 characters".into()));
-    }
+    // Every human action is recorded with why.
+    let note = match note.map(str::trim) {
+        Some(n) if !n.is_empty() && n.chars().count() <= 2000 => {
+            airlock_core::text::refuse_format_chars(n).map_err(|e| SandboxError::Invalid(format!("note: {e}")))?;
+            Some(n)
+        }
+        _ => {
+            return Err(SandboxError::Invalid(
+                "note: 1 to 2000 characters are required (every human choice is recorded with why)".into(),
+            ));
+        }
+    };
     let tier = match choice {
         Choice::Tier(name) => Some(cfg.tiers.get(name).ok_or_else(|| {
             SandboxError::Invalid(format!("tier: unknown tier `{name}` (tiers: {})", cfg.tiers.names().join(", ")))
         })?),
-        Choice::Deny if note.is_none() => {
-            return Err(SandboxError::Invalid("note: a refusal needs a note saying why".into()));
-        }
         Choice::Deny => None,
     };
     let mut tx = pool.begin().await?;

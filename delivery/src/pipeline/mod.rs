@@ -185,18 +185,18 @@ fn require_state(d: &Delivery, allowed: &[DeliveryState], what: &str) -> Result<
     }
 }
 
+/// A human's note or reason: every human action is recorded with why. 1 to 2000
+/// characters once trimmed, with no invisible or direction-changing format characters
+/// (the note is shown to the next reviewer and in the audit log).
 fn non_empty(v: Option<&str>, field: &str) -> Result<String, PipelineError> {
     match v.map(str::trim) {
-        Some(s) if !s.is_empty() && s.len() <= 2000 => Ok(s.to_string()),
-        _ => Err(PipelineError::Invalid(format!("{field}: a reason of 1 to 2000 characters is required"))),
-    }
-}
-
-fn optional_note(v: Option<&str>) -> Result<Option<String>, PipelineError> {
-    match v.map(str::trim) {
-        Some(s) if s.len() > 2000 => Err(PipelineError::Invalid("note: at most 2000 characters".into())),
-        Some("") | None => Ok(None),
-        Some(s) => Ok(Some(s.to_string())),
+        Some(s) if !s.is_empty() && s.chars().count() <= 2000 => {
+            airlock_core::text::refuse_format_chars(s).map_err(|e| PipelineError::Invalid(format!("{field}: {e}")))?;
+            Ok(s.to_string())
+        }
+        _ => Err(PipelineError::Invalid(format!(
+            "{field}: 1 to 2000 characters are required (every human action is recorded with why)"
+        ))),
     }
 }
 

@@ -10,8 +10,7 @@ use serde_json::json;
 use sqlx::{PgPool, Postgres, Transaction};
 
 use super::{
-    PipelineError, audit_delivery, check_policy, limits, non_empty, optional_note, require_state, reviewer_actor,
-    send_job_for,
+    PipelineError, audit_delivery, check_policy, limits, non_empty, require_state, reviewer_actor, send_job_for,
 };
 use crate::artifact::Artifact;
 use crate::state::{Action, DeliveryState};
@@ -24,7 +23,7 @@ pub async fn accept(
     id: DeliveryId,
     note: Option<&str>,
 ) -> Result<Delivery, PipelineError> {
-    let note = optional_note(note)?;
+    let note = Some(non_empty(note, "note")?);
     let mut tx = pool.begin().await?;
     let d = store::lock(&mut *tx, id).await?;
     require_state(&d, &[DeliveryState::InReview], "accepted")?;
@@ -46,7 +45,7 @@ pub async fn edit(
     artifact: &serde_json::Value,
     note: Option<&str>,
 ) -> Result<Delivery, PipelineError> {
-    let note = optional_note(note)?;
+    let note = Some(non_empty(note, "note")?);
     let artifact = Artifact::from_json(artifact, &limits(cfg))?;
     check_policy(cfg, &artifact)?;
     let mut tx = pool.begin().await?;
@@ -76,7 +75,7 @@ pub async fn approve(
     artifact_sha256: &str,
     note: Option<&str>,
 ) -> Result<Delivery, PipelineError> {
-    let note = optional_note(note)?;
+    let note = Some(non_empty(note, "note")?);
     let mut tx = pool.begin().await?;
     approve_in(&mut tx, cfg, who, id, artifact_sha256, note.as_deref()).await?;
     let d = store::lock(&mut *tx, id).await?;
@@ -95,7 +94,7 @@ pub async fn approve_batch(
     items: &[(DeliveryId, String)],
     note: Option<&str>,
 ) -> Result<Vec<Delivery>, PipelineError> {
-    let note = optional_note(note)?;
+    let note = Some(non_empty(note, "note")?);
     if items.is_empty() || items.len() > MAX_BATCH {
         return Err(PipelineError::Invalid(format!("items: approve 1 to {MAX_BATCH} deliveries at once")));
     }

@@ -238,15 +238,18 @@ async fn four_eyes_and_batch_approval(pool: PgPool) {
             "POST",
             &format!("{}/admin/v1/deliveries/{}/edit", app.admin, ids[0]),
             Some(&app.reviewer),
-            Some(json!({"artifact": edited})),
+            Some(json!({"artifact": edited, "note": "corrected"})),
         )
         .await;
     assert_eq!(s, StatusCode::OK, "{v}");
     let sha = v["artifact_sha256"].clone();
     let approve = format!("{}/admin/v1/deliveries/{}/approve", app.admin, ids[0]);
-    let (s, v) = app.call("POST", &approve, Some(&app.reviewer), Some(json!({"artifact_sha256": sha}))).await;
+    let (s, v) =
+        app.call("POST", &approve, Some(&app.reviewer), Some(json!({"artifact_sha256": sha, "note": "checked"}))).await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::FORBIDDEN, Some("FORBIDDEN")), "{v}");
-    let (s, v) = app.call("POST", &approve, Some(&app.admin_token), Some(json!({"artifact_sha256": sha}))).await;
+    let (s, v) = app
+        .call("POST", &approve, Some(&app.admin_token), Some(json!({"artifact_sha256": sha, "note": "checked"})))
+        .await;
     assert_eq!(s, StatusCode::OK, "{v}");
 
     // Batch: one stale hash and nothing is approved; then all of them at once.
@@ -258,19 +261,25 @@ async fn four_eyes_and_batch_approval(pool: PgPool) {
             "POST",
             &batch,
             Some(&app.reviewer),
-            Some(json!({"items": [{"id": ids[1], "artifact_sha256": sha1}, {"id": ids[2], "artifact_sha256": "0".repeat(64)}]})),
+            Some(json!({"items": [{"id": ids[1], "artifact_sha256": sha1}, {"id": ids[2], "artifact_sha256": "0".repeat(64)}], "note": "checked"})),
         )
         .await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("STALE_ARTIFACT")));
     assert_eq!(app.delivery(&ids[1]).await["state"], "awaiting_approval", "all or nothing");
-    let (s, _) = app.call("POST", &batch, Some(&app.reviewer), Some(json!({"items": []}))).await;
+    let (s, _) = app.call("POST", &batch, Some(&app.reviewer), Some(json!({"items": [], "note": "checked"}))).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
     let too_many: Vec<Value> =
         (0..101).map(|_| json!({"id": uuid::Uuid::new_v4(), "artifact_sha256": "0".repeat(64)})).collect();
-    let (s, _) = app.call("POST", &batch, Some(&app.reviewer), Some(json!({"items": too_many}))).await;
+    let (s, _) =
+        app.call("POST", &batch, Some(&app.reviewer), Some(json!({"items": too_many, "note": "checked"}))).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
     let (s, _) = app
-        .call("POST", &batch, Some(&app.agent), Some(json!({"items": [{"id": ids[1], "artifact_sha256": sha1}]})))
+        .call(
+            "POST",
+            &batch,
+            Some(&app.agent),
+            Some(json!({"items": [{"id": ids[1], "artifact_sha256": sha1}], "note": "checked"})),
+        )
         .await;
     assert_eq!(s, StatusCode::FORBIDDEN);
     let (s, v) = app
@@ -494,4 +503,81 @@ async fn deliveries_scored_together_never_overspend_a_grant(pool: PgPool) {
     assert_eq!(scored(ids.clone()).await.1, vec![1, 0, 1]);
     assert_eq!(state(ids[1]).await, DeliveryState::Persisted);
     assert_eq!(grant_uses(big).await, (8, 8, 8));
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn every_human_action_needs_a_note_and_shown_text_refuses_format_characters(pool: PgPool) {
+    let app = TestApp::start(pool, &[("AIRLOCK__SCORING__REVIEW_THRESHOLD", "0.99")]).await;
+    let (stop, worker) = app.start_worker("w-notes");
+    let run = app.create_run(10).await;
+
+    // A subject that reads otherwise than it is, or an address with an invisible character:
+    // refused at the door, nothing written.
+    let before = count(&app, "SELECT count(*) FROM deliveries").await;
+    for (subject, to) in [
+        ("Invoice \u{202E}fdp.exe", "bob@unknown.example"),
+        ("Pay\u{200B}ment due", "bob@unknown.example"),
+        ("Fine subject", "bob\u{200D}@unknown.example"),
+    ] {
+        let mut body = TestApp::email(&run, "hostile", subject);
+        body["email"]["to"] = json!([to]);
+        let (s, v) = app.call("POST", &format!("{}/v1/deliveries", app.api), Some(&app.agent), Some(body)).await;
+        assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::BAD_REQUEST, Some("VALIDATION")), "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("U+"), "{v}");
+    }
+    assert_eq!(count(&app, "SELECT count(*) FROM deliveries").await, before);
+
+    let mut body = TestApp::email(&run, "needs-review", "Your order has shipped");
+    body["email"]["to"] = json!(["bob@unknown.example"]);
+    let id = app.submit(body).await;
+    let d = app.wait_state(&id, DeliveryState::InReview, WAIT).await;
+    let sha = d["artifact_sha256"].clone();
+    let url = |action: &str| format!("{}/admin/v1/deliveries/{id}/{action}", app.admin);
+    let audited = || count(&app, "SELECT count(*) FROM audit_log");
+    let audit_before = audited().await;
+    let mut edited = d["artifact"].clone();
+    edited["email"]["subject"] = json!("Your order has shipped!");
+    // Without a note, with a blank one, or with a note hiding characters: refused, nothing changes.
+    for note in [None, Some(json!("   ")), Some(json!("ok\u{202E}")), Some(json!("x".repeat(2001)))] {
+        for (action, mut body) in
+            [("accept", json!({})), ("edit", json!({"artifact": edited})), ("approve", json!({"artifact_sha256": sha}))]
+        {
+            if let Some(n) = &note {
+                body["note"] = n.clone();
+            }
+            let (s, v) = app.call("POST", &url(action), Some(&app.reviewer), Some(body)).await;
+            assert_eq!(
+                (s, v["error"]["code"].as_str()),
+                (StatusCode::BAD_REQUEST, Some("VALIDATION")),
+                "{action}: {v}"
+            );
+            assert!(v["error"]["message"].as_str().unwrap().starts_with("note"), "{action}: {v}");
+        }
+    }
+    let (s, v) = app
+        .call(
+            "POST",
+            &format!("{}/admin/v1/deliveries/approve", app.admin),
+            Some(&app.reviewer),
+            Some(json!({"items": [{"id": id, "artifact_sha256": sha}]})),
+        )
+        .await;
+    assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::BAD_REQUEST, Some("VALIDATION")), "batch: {v}");
+    assert_eq!(app.delivery(&id).await["state"], "in_review", "nothing changed");
+    assert_eq!(audited().await, audit_before, "nothing audited");
+    assert_eq!(count(&app, "SELECT count(*) FROM reviews").await, 0);
+
+    // With a note it goes through, and the note is what the audit shows.
+    let (s, v) =
+        app.call("POST", &url("accept"), Some(&app.reviewer), Some(json!({"note": "checked the order"}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let note: String =
+        sqlx::query_scalar("SELECT reason FROM audit_log WHERE action = 'delivery.accept' AND target_id = $1")
+            .bind(&id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(note, "checked the order");
+    stop.cancel();
+    worker.await.unwrap().unwrap();
 }

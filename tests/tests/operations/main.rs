@@ -7,3 +7,4 @@ mod bench_adapter;
 mod configuration;
 mod service;
 mod switch_and_queues;
+mod tokens;

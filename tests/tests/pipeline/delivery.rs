@@ -325,7 +325,9 @@ async fn approval_rules_and_roles(pool: PgPool) {
     let approve_url = format!("{}/admin/v1/deliveries/{id}/approve", app.admin);
 
     // An agent can never approve, even its own delivery.
-    let (s, v) = app.call("POST", &approve_url, Some(&app.agent), Some(json!({"artifact_sha256": sha}))).await;
+    let (s, v) = app
+        .call("POST", &approve_url, Some(&app.agent), Some(json!({"artifact_sha256": sha, "note": "checked"})))
+        .await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::FORBIDDEN, Some("FORBIDDEN")));
 
     // A reviewer edits; approving the hash they saw before the edit is stale.
@@ -342,12 +344,18 @@ async fn approval_rules_and_roles(pool: PgPool) {
     assert_eq!(s, StatusCode::OK, "{v}");
     let new_sha = v["artifact_sha256"].as_str().unwrap().to_string();
     assert_ne!(new_sha, sha);
-    let (s, v) = app.call("POST", &approve_url, Some(&app.reviewer), Some(json!({"artifact_sha256": sha}))).await;
+    let (s, v) = app
+        .call("POST", &approve_url, Some(&app.reviewer), Some(json!({"artifact_sha256": sha, "note": "checked"})))
+        .await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("STALE_ARTIFACT")));
-    let (s, v) = app.call("POST", &approve_url, Some(&app.reviewer), Some(json!({"artifact_sha256": new_sha}))).await;
+    let (s, v) = app
+        .call("POST", &approve_url, Some(&app.reviewer), Some(json!({"artifact_sha256": new_sha, "note": "checked"})))
+        .await;
     assert_eq!(s, StatusCode::OK, "{v}");
     // Approving twice is an invalid transition.
-    let (s, v) = app.call("POST", &approve_url, Some(&app.reviewer), Some(json!({"artifact_sha256": new_sha}))).await;
+    let (s, v) = app
+        .call("POST", &approve_url, Some(&app.reviewer), Some(json!({"artifact_sha256": new_sha, "note": "checked"})))
+        .await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("INVALID_TRANSITION")));
 
     // A reviewer reads the switch but cannot flip it.

@@ -187,7 +187,7 @@ async fn human_mode_waits_for_an_operator_whose_choice_resumes_the_task(pool: Pg
     let decisions_before = store::decisions_of(&app.pool, id).await.unwrap().len();
     let (s, _) = choose(&app, &app.reviewer, id, json!({"tier": "light"})).await;
     assert_eq!(s, StatusCode::FORBIDDEN, "a reviewer cannot choose tiers");
-    let (s, v) = choose(&app, &app.operator, id, json!({"tier": "enormous"})).await;
+    let (s, v) = choose(&app, &app.operator, id, json!({"tier": "enormous", "note": "bigger"})).await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::BAD_REQUEST, Some("VALIDATION")), "{v}");
     let (s, _) = choose(&app, &app.operator, id, json!({"deny": true})).await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "a refusal needs a note");
@@ -213,7 +213,7 @@ async fn human_mode_waits_for_an_operator_whose_choice_resumes_the_task(pool: Pg
     assert_eq!(v["outcome"]["exit_code"], 0);
 
     // Once chosen, it cannot be chosen again.
-    let (s, v) = choose(&app, &app.operator, id, json!({"tier": "light"})).await;
+    let (s, v) = choose(&app, &app.operator, id, json!({"tier": "light", "note": "again"})).await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("INVALID_TRANSITION")));
 
     // The choice is audited.

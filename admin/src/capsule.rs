@@ -249,7 +249,8 @@ pub async fn import_within(
             );
         }
     }
-    let row = agents::record_import(&mut *tx, cap.agent_id(), cap.manifest.epoch, &sha).await?;
+    let signed_by = if trusted { report.signed_by.as_deref() } else { None };
+    let row = agents::record_import(&mut *tx, cap.agent_id(), cap.manifest.epoch, &sha, signed_by).await?;
     airlock_core::audit::record_as(
         &mut tx,
         actor,
@@ -260,7 +261,7 @@ pub async fn import_within(
             target_id: cap.agent_id().to_string(),
             reason: (!trusted).then_some("imported without a trusted signature (--allow-unsigned)"),
             data: json!({"epoch": cap.manifest.epoch, "manifest_sha256": sha, "trusted_signature": trusted,
-                         "allow_unsigned": !trusted}),
+                         "signed_by": signed_by, "allow_unsigned": !trusted}),
         },
     )
     .await?;

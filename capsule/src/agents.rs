@@ -87,6 +87,32 @@ pub struct Agent {
     pub manifest_sha256: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+    /// The trusted key that signed the imported capsule.
+    pub import_signed_by: Option<String>,
+    /// Imported without a trusted signature, by the operator's `--allow-unsigned`.
+    pub import_unsigned: Option<bool>,
+}
+
+impl Agent {
+    /// Why the agent may not be placed on a node from the store with `trusted_keys` as
+    /// they are now, if it may not: its import must have been signed by a key still
+    /// trusted, or allowed unsigned by the operator.
+    pub fn untrusted_import(&self, trusted_keys: &[String]) -> Option<String> {
+        match (&self.import_signed_by, self.import_unsigned) {
+            (_, Some(true)) => None,
+            (Some(key), _) if trusted_keys.iter().any(|k| k.eq_ignore_ascii_case(key)) => None,
+            (Some(key), _) => Some(format!(
+                "agent {} was imported signed by key {key}, which capsules.trusted_keys no longer holds; \
+                 import it again signed by a trusted key, or with --allow-unsigned",
+                self.id
+            )),
+            (None, _) => Some(format!(
+                "agent {}'s import recorded no trusted signature; import it again signed by a key of \
+                 capsules.trusted_keys, or with --allow-unsigned",
+                self.id
+            )),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -120,17 +146,20 @@ pub async fn record_import(
     id: &AgentId,
     epoch: i64,
     manifest_sha256: &str,
+    signed_by: Option<&str>,
 ) -> Result<Agent, AgentError> {
     let row: Option<Agent> = sqlx::query_as(
-        r#"INSERT INTO agents (id, holder, epoch, max_epoch, state, manifest_sha256)
-           VALUES ($1, NULL, $2, $2, 'stored', $3)
-           ON CONFLICT (id) DO UPDATE SET epoch = $2, max_epoch = $2, manifest_sha256 = $3, updated_at = now()
+        r#"INSERT INTO agents (id, holder, epoch, max_epoch, state, manifest_sha256, import_signed_by, import_unsigned)
+           VALUES ($1, NULL, $2, $2, 'stored', $3, $4, $4 IS NULL)
+           ON CONFLICT (id) DO UPDATE SET epoch = $2, max_epoch = $2, manifest_sha256 = $3, updated_at = now(),
+                   import_signed_by = $4, import_unsigned = $4 IS NULL
                WHERE agents.state = 'stored' AND agents.max_epoch < $2
            RETURNING *"#,
     )
     .bind(id.as_str())
     .bind(epoch)
     .bind(manifest_sha256)
+    .bind(signed_by.map(str::to_ascii_lowercase))
     .fetch_optional(db)
     .await?;
     row.ok_or_else(|| {

@@ -51,6 +51,8 @@ pub struct Report {
     pub problems: Vec<Problem>,
     /// Whether a `manifest.sig` was present and valid.
     pub signed: bool,
+    /// The key (hex, lowercase) whose valid signature the capsule carries.
+    pub signed_by: Option<String>,
     pub manifest: Option<Manifest>,
 }
 
@@ -235,6 +237,8 @@ fn check(scan: Scan, opts: &VerifyOptions) -> Report {
         Some(sig) => {
             if manifest::check_signature(manifest_bytes, sig, &opts.trusted_keys) {
                 report.signed = true;
+                report.signed_by =
+                    serde_json::from_slice::<manifest::ManifestSig>(sig).ok().map(|s| s.key_id.to_ascii_lowercase());
             } else {
                 problems.push(Problem::BadSignature);
             }

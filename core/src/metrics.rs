@@ -90,11 +90,28 @@ pub fn install() -> &'static PrometheusHandle {
 /// whose figures are gauges provides one (queue depth, deliveries by state, the switch).
 pub type Gauges = for<'a> fn(&'a PgPool) -> Pin<Box<dyn Future<Output = Result<(), sqlx::Error>> + Send + 'a>>;
 
+/// When the gauges were last sampled; held while sampling, so concurrent scrapes wait
+/// for one sample instead of each counting.
+static LAST_SAMPLE: tokio::sync::Mutex<Option<std::time::Instant>> = tokio::sync::Mutex::const_new(None);
+
 /// Samples the gauges, then renders everything in Prometheus text.
 pub async fn render(pool: &PgPool, gauges: Gauges) -> String {
+    render_sampled(pool, gauges, std::time::Duration::ZERO).await
+}
+
+/// Renders everything in Prometheus text, sampling the gauges only when the last sample
+/// of this process is older than `every` (`http.metrics_sample_seconds`): a scrape costs
+/// the database at most one count per interval, however many scrapers there are.
+pub async fn render_sampled(pool: &PgPool, gauges: Gauges, every: std::time::Duration) -> String {
     let handle = install();
-    if let Err(e) = gauges(pool).await {
-        tracing::warn!(error = %e, "sampling gauges for /metrics failed");
+    {
+        let mut last = LAST_SAMPLE.lock().await;
+        if last.is_none_or(|at| every.is_zero() || at.elapsed() >= every) {
+            match gauges(pool).await {
+                Ok(()) => *last = Some(std::time::Instant::now()),
+                Err(e) => tracing::warn!(error = %e, "sampling gauges for /metrics failed"),
+            }
+        }
     }
     handle.render()
 }

@@ -318,16 +318,30 @@ where
     routes.merge(health_routes()).routes(utoipa_axum::routes!(metrics_text)).routes(utoipa_axum::routes!(openapi_json))
 }
 
-/// Prometheus metrics of this process (queue and delivery gauges sampled now).
+/// Prometheus metrics of this process (queue and delivery gauges sampled at most every
+/// `http.metrics_sample_seconds`).
 #[utoipa::path(get, path = "/metrics", security(()), responses((status = 200, description = "Prometheus text format")))]
 pub async fn metrics_text(
     axum::extract::State(pool): axum::extract::State<PgPool>,
     axum::Extension(gauges): axum::Extension<Gauges>,
+    sampling: Option<axum::Extension<MetricsSampling>>,
 ) -> impl IntoResponse {
+    let every = sampling.map_or(MetricsSampling::default().0, |s| s.0.0);
     (
         [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-        airlock_core::metrics::render(&pool, gauges).await,
+        airlock_core::metrics::render_sampled(&pool, gauges, every).await,
     )
+}
+
+/// How often `/metrics` samples the database's gauges (`http.metrics_sample_seconds`);
+/// [`serve`] hands it to the routes.
+#[derive(Debug, Clone, Copy)]
+pub struct MetricsSampling(pub std::time::Duration);
+
+impl Default for MetricsSampling {
+    fn default() -> Self {
+        Self(std::time::Duration::from_secs(airlock_core::config::HttpServeConfig::default().metrics_sample_seconds))
+    }
 }
 
 /// Counts requests by service, method, matched route and status.

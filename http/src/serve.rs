@@ -34,6 +34,8 @@ pub struct ServeLimits {
     pub request_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_connections: usize,
+    /// How often `/metrics` samples the database's gauges.
+    pub metrics_sample: Duration,
 }
 
 impl From<&HttpServeConfig> for ServeLimits {
@@ -43,6 +45,7 @@ impl From<&HttpServeConfig> for ServeLimits {
             request_timeout: Duration::from_secs(c.request_timeout_seconds),
             idle_timeout: Duration::from_secs(c.idle_timeout_seconds),
             max_connections: c.max_connections,
+            metrics_sample: Duration::from_secs(c.metrics_sample_seconds),
         }
     }
 }
@@ -62,10 +65,9 @@ pub async fn serve(
     limits: ServeLimits,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    let router = router.layer(tower_http::timeout::TimeoutLayer::with_status_code(
-        StatusCode::REQUEST_TIMEOUT,
-        limits.request_timeout,
-    ));
+    let router = router
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, limits.request_timeout))
+        .layer(axum::Extension(crate::MetricsSampling(limits.metrics_sample)));
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
     let connections = TaskTracker::new();
     loop {

@@ -373,6 +373,7 @@ impl Fleet {
             worker_id: id.to_string(),
             retry: Duration::from_millis(50),
             hooks,
+            trusted_keys: config.capsules.trusted_keys.clone(),
         };
         let mut registry = airlock_worker::Registry::new();
         registry.register(relocation::MIGRATE_JOB, handler);

@@ -72,6 +72,9 @@ pub struct MigrateHandler {
     /// return.
     pub retry: Duration,
     pub hooks: Arc<MigrateHooks>,
+    /// `capsules.trusted_keys`: an agent placed from the store must have been imported
+    /// signed by one of them (or allowed unsigned by the operator).
+    pub trusted_keys: Vec<String>,
 }
 
 /// Registers the handler when the configuration names peer nodes; refuses to start when
@@ -89,6 +92,7 @@ pub fn register(r: &mut Registry, cfg: &Config, worker_id: &str) -> anyhow::Resu
         worker_id: worker_id.to_string(),
         retry: Duration::from_millis(cfg.capsules.migrate_retry_ms),
         hooks: Arc::default(),
+        trusted_keys: cfg.capsules.trusted_keys.clone(),
     };
     r.register(MIGRATE_JOB, handler);
     Ok(())
@@ -232,7 +236,19 @@ impl MigrateHandler {
                         Ok(r) => Some(r.manifest_sha256),
                         Err(e) => return self.abort(ctx, m, reason_of("freeze", &e)).await,
                     },
-                    None => None,
+                    None => {
+                        // Placed from the store: activating an imported capsule. Its import's
+                        // trust must still hold.
+                        let row = agents::get(&ctx.pool, &agent).await?;
+                        let refused = match &row {
+                            Some(a) => a.untrusted_import(&self.trusted_keys),
+                            None => Some(format!("agent {agent} is not in Postgres")),
+                        };
+                        if let Some(why) = refused {
+                            return self.abort(ctx, m, why).await;
+                        }
+                        None
+                    }
                 };
                 let cap = match self.store.get_checkpoint(&agent) {
                     Ok(Some(c)) => c,

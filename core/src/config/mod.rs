@@ -276,6 +276,9 @@ pub struct HttpServeConfig {
     pub idle_timeout_seconds: u64,
     /// Connections served at once; more wait to be accepted.
     pub max_connections: usize,
+    /// `/metrics` samples the database's gauges (queue depth, deliveries and runs by
+    /// state) at most this often; scrapes in between get the last sample. 0: every scrape.
+    pub metrics_sample_seconds: u64,
 }
 
 impl Default for HttpServeConfig {
@@ -285,6 +288,7 @@ impl Default for HttpServeConfig {
             request_timeout_seconds: 30,
             idle_timeout_seconds: 60,
             max_connections: 1024,
+            metrics_sample_seconds: 5,
         }
     }
 }
@@ -305,6 +309,9 @@ impl HttpServeConfig {
         }
         if !(1..=100_000).contains(&self.max_connections) {
             return Err(invalid("http.max_connections", "must be between 1 and 100000"));
+        }
+        if self.metrics_sample_seconds > 3600 {
+            return Err(invalid("http.metrics_sample_seconds", "must be at most 3600"));
         }
         Ok(())
     }

@@ -256,13 +256,12 @@ impl Default for SandboxConfig {
 }
 
 impl SandboxConfig {
-    /// The scope of `agent`: its own entry (matched exactly, else case-insensitively, since
-    /// environment keys arrive lowercased), or the defaults.
+    /// The scope of `agent`: its own entry, matched exactly (agent ids are case-sensitive:
+    /// `Bot-7` never gets `bot-7`'s secrets), or the defaults, which hold no context and no
+    /// secrets. Environment keys arrive lowercased, so an id with capitals is configured in
+    /// the file; until it is, that agent gets the defaults.
     pub fn policy(&self, agent: &str) -> &AgentPolicy {
-        self.agents
-            .get(agent)
-            .or_else(|| self.agents.iter().find(|(k, _)| k.eq_ignore_ascii_case(agent)).map(|(_, v)| v))
-            .unwrap_or(&self.fallback)
+        self.agents.get(agent).unwrap_or(&self.fallback)
     }
 
     /// Whether a machine may grant `tier` on its own.
@@ -720,7 +719,10 @@ mod tests {
         assert_eq!(light.memory_mb, 512, "other keys keep their built-in values");
         assert_eq!(s.tiers.names(), vec!["light", "standard", "heavy", "gpu"]);
         assert_eq!(s.tiers.get("gpu").unwrap().cost_per_minute, 1.5);
-        let p = s.policy("BOT-7");
+        // Environment keys arrive lowercased; ids are compared exactly.
+        assert_eq!(s.policy("BOT-7"), &s.fallback, "another agent's id, by case, gets only the defaults");
+        assert!(!s.policy("BOT-7").may_use_secret("API_TOKEN"));
+        let p = s.policy("bot-7");
         assert_eq!(p.allowed_tiers, vec!["light", "heavy"]);
         assert_eq!(p.default_tier, "light");
         assert_eq!(p.quota_minutes_per_day, 30);

@@ -325,3 +325,40 @@ async fn a_capsule_prepared_under_another_agents_name_is_refused(pool: PgPool) {
     assert_eq!(a.propose(&id, 1).await.unwrap_err().code(), Some("STALE_EPOCH"));
     let _ = StatusCode::OK;
 }
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn an_imported_capsule_is_placed_only_while_its_import_is_still_trusted(pool: PgPool) {
+    let (fleet, app) = start(pool.clone(), &["node_a"]).await;
+    // The coordinator trusts no key: the one that signed the capsule below was trusted at
+    // import and has been taken out of capsules.trusted_keys since.
+    assert!(app.config.capsules.trusted_keys.is_empty());
+    let (_stop, _worker) = fleet.start_coordinator(&pool, &app.config, "coordinator-t", Arc::default());
+
+    let (signer, _) = airlock_capsule::manifest::Signer::generate();
+    let key = signer.key_id();
+    let (cap, blobs) = airlock_tests::capsule::sample_capsule("agent-signed", "origin", 0);
+    let dir = fleet.root.join("exports").join("agent-signed");
+    cap.write_dir(&dir, &blobs, Some(&signer)).unwrap();
+    let keys = vec![key.clone()];
+    let trust = airlock_admin::capsule::Trust { trusted_keys: &keys, allow_unsigned: false };
+    airlock_admin::capsule::import(&pool, fleet.store.as_ref(), &dir, "test", &trust).await.unwrap();
+    let recorded: (Option<String>, Option<bool>) =
+        sqlx::query_as("SELECT import_signed_by, import_unsigned FROM agents WHERE id = 'agent-signed'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(recorded, (Some(key.clone()), Some(false)));
+
+    let m = migrate(&app, "agent-signed", "node_a").await;
+    assert_eq!(m["outcome"], "aborted", "{m}");
+    let reason = m["reason"].as_str().unwrap();
+    assert!(reason.contains(&key) && reason.contains("no longer"), "{reason}");
+    let v = agent_view(&app, "agent-signed").await;
+    assert_eq!((v["state"].as_str(), v["holder"].as_null()), (Some("stored"), Some(())), "never placed: {v}");
+    let status = client(&fleet, "node_a").status(&AgentId::parse("agent-signed").unwrap()).await.unwrap();
+    assert_ne!(status.state, Some(HolderState::Active), "node_a never activated it: {status:?}");
+
+    // An agent the operator imported unsigned on purpose (audited) is placed.
+    fleet.import_sample(&pool, "agent-allowed").await;
+    assert_eq!(migrate(&app, "agent-allowed", "node_a").await["outcome"], "completed");
+}

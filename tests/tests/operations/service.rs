@@ -231,3 +231,24 @@ async fn operators_retry_and_cancel_jobs_from_the_command_line(pool: PgPool) {
         [("job.retry".to_string(), "fixed the relay".to_string()), ("job.cancel".into(), "not needed".into())]
     );
 }
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn metrics_gauges_are_sampled_at_most_once_per_interval(pool: PgPool) {
+    // A long interval: the first scrape samples, later ones within it reuse that sample
+    // (no count per scrape), on every listener of the process.
+    let app = TestApp::start(pool, &[("AIRLOCK__HTTP__METRICS_SAMPLE_SECONDS", "3600")]).await;
+    let scrape = |base: String| {
+        let http = app.http.clone();
+        async move { http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap() }
+    };
+    let first = scrape(app.api.clone()).await;
+    assert!(first.contains("airlock_send_enabled 0"), "{first}");
+    app.set_switch(true).await;
+    for base in [app.api.clone(), app.admin.clone()] {
+        let text = scrape(base.clone()).await;
+        assert!(text.contains("airlock_send_enabled 0"), "{base}: the sample is reused within its interval:\n{text}");
+    }
+    // Counters are not sampled: they move at once.
+    let text = scrape(app.api.clone()).await;
+    assert!(text.contains(airlock_core::metrics::HTTP_REQUESTS), "{text}");
+}

@@ -80,12 +80,23 @@ pub async fn submit(
         actor: &Actor::new("agent", agent),
     };
     let job = NewJob::new(SCORE_JOB, json!({"delivery_id": id})).unique_key(format!("score:{id}")).priority(50);
+    let (addresses, domains) = suppressions::lookup_keys(&s.artifact);
+    let limited = cfg.limits.deliveries_per_hour(agent) > 0 || cfg.limits.per_recipient_per_day > 0;
     let mut tx = pool.begin().await?;
-    check_recipients_and_limits(&mut tx, cfg, agent, &s).await?;
-    if let Some(d) = store::submit(&mut *tx, &new, &job).await? {
-        if let Artifact::Email { .. } = &s.artifact {
-            let (addresses, _) = suppressions::lookup_keys(&s.artifact);
-            store::suppressions::insert_recipients(&mut *tx, d.id, &addresses).await?;
+    if limited {
+        check_recipients_and_limits(&mut tx, cfg, agent, &s).await?;
+    }
+    let recipients: &[String] = if let Artifact::Email { .. } = &s.artifact { &addresses } else { &[] };
+    if let Some(d) = store::submit(&mut *tx, &new, &job, recipients).await? {
+        // Without limits, a new delivery is checked against the suppressions after it is
+        // written, in the same transaction (one round trip fewer than looking its step up
+        // first); a suppressed one is rolled back, so nothing stays written. A suppression
+        // added while this commits is caught at send time (transaction A).
+        if !limited && !addresses.is_empty() {
+            let found = store::suppressions::matching_suppressions(&mut *tx, &addresses, &domains).await?;
+            if let Some(first) = found.first() {
+                return Err(PipelineError::Suppressed(suppressions::describe(first)));
+            }
         }
         tx.commit().await?;
         waker.wake(&job.queue);

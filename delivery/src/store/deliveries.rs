@@ -79,6 +79,7 @@ pub async fn submit(
     db: impl PgExecutor<'_>,
     new: &NewDelivery<'_>,
     job: &airlock_queue::NewJob,
+    recipients: &[String],
 ) -> Result<Option<Delivery>, sqlx::Error> {
     let NewDelivery { id, run_id, step_id, agent, artifact, idempotency_key, actor } = *new;
     let sha = artifact.sha256_hex();
@@ -121,6 +122,11 @@ pub async fn submit(
     qb.push(" FROM step RETURNING *), event AS (INSERT INTO delivery_events (delivery_id, seq, from_state, to_state, actor, reason, data, prev_hash, hash) SELECT id, 1, NULL, 'persisted', ");
     qb.push_bind(actor).push(", ").push_bind(reason).push(", ").push_bind(data).push(", NULL, ").push_bind(hash);
     qb.push(" FROM delivery), ");
+    if !recipients.is_empty() {
+        // An email's recipients (lowercase, without repeats), for the per-recipient limit.
+        qb.push("recipients AS (INSERT INTO delivery_recipients (delivery_id, address, created_at) SELECT delivery.id, a, delivery.created_at FROM delivery, unnest(");
+        qb.push_bind(recipients.to_vec()).push("::text[]) AS a ON CONFLICT DO NOTHING), ");
+    }
     // The scoring job: its unique key names this new delivery, so no live job holds it.
     airlock_queue::piece::enqueue_if(&mut qb, "job", std::slice::from_ref(job), "delivery");
     qb.push(" SELECT * FROM delivery");

@@ -193,21 +193,3 @@ pub async fn recipients_window_full(
     .fetch_all(db)
     .await
 }
-
-/// Records the recipients of a new email delivery (lowercase, without repeats).
-pub async fn insert_recipients(
-    db: impl PgExecutor<'_>,
-    delivery_id: airlock_core::ids::DeliveryId,
-    addresses: &[String],
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        r#"INSERT INTO delivery_recipients (delivery_id, address, created_at)
-           SELECT $1, a, d.created_at FROM unnest($2::text[]) AS a, deliveries d WHERE d.id = $1
-           ON CONFLICT DO NOTHING"#,
-    )
-    .bind(delivery_id)
-    .bind(addresses)
-    .execute(db)
-    .await?;
-    Ok(())
-}

@@ -64,17 +64,7 @@ async fn hundreds_of_slow_clients_are_closed_while_normal_requests_are_answered(
     )
     .await;
     let addr = app.api.trim_start_matches("http://").to_string();
-
-    // 300 clients that send half a request head and then nothing (slowloris), and one that
-    // connects and sends nothing at all.
-    let mut slow = Vec::new();
-    for i in 0..300 {
-        let mut s = TcpStream::connect(&addr).await.unwrap();
-        if i > 0 {
-            s.write_all(b"GET /healthz HTTP/1.1\r\nHost: airlock\r\nX-Slow: ").await.unwrap();
-        }
-        slow.push(s);
-    }
+    let slow = hold_slow_connections(&addr).await;
     // A client that declares a body and trickles it, one byte at a time.
     let (mut trickle_read, mut trickle) = TcpStream::connect(&addr).await.unwrap().into_split();
     let head = format!(
@@ -100,16 +90,7 @@ async fn hundreds_of_slow_clients_are_closed_while_normal_requests_are_answered(
     let run = app.create_run(0).await;
     let id = app.submit(TestApp::email(&run, "normal-1", "Answered while others stall")).await;
 
-    // Every slow client is closed by the server, none answered with anything but a close
-    // (or a 408).
-    let mut closes = tokio::task::JoinSet::new();
-    for mut s in slow {
-        closes.spawn(async move { read_until_closed(&mut s, 4096).await });
-    }
-    for (i, answer) in closes.join_all().await.into_iter().enumerate() {
-        let line = status_line(&answer);
-        assert!(answer.is_empty() || line.contains(" 408"), "slow client {i} got {line:?}");
-    }
+    all_closed_by_the_server(slow).await;
     // The trickling body is cut at the request timeout with a 408, and writes nothing.
     let answer = trickle_answer.await.unwrap();
     trickling.abort();
@@ -120,6 +101,89 @@ async fn hundreds_of_slow_clients_are_closed_while_normal_requests_are_answered(
     // And the service still answers afterwards.
     let health = app.http.get(format!("{}/healthz", app.api)).send().await.unwrap();
     assert_eq!(health.status(), StatusCode::OK);
+}
+
+/// 300 clients that send half a request head and then nothing (slowloris), and one that
+/// connects and sends nothing at all.
+async fn hold_slow_connections(addr: &str) -> Vec<TcpStream> {
+    let mut slow = Vec::new();
+    for i in 0..300 {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        if i > 0 {
+            s.write_all(b"GET /healthz HTTP/1.1\r\nHost: airlock\r\nX-Slow: ").await.unwrap();
+        }
+        slow.push(s);
+    }
+    slow
+}
+
+/// Every slow client is closed by the server, none answered with anything but a close (or
+/// a 408).
+async fn all_closed_by_the_server(slow: Vec<TcpStream>) {
+    let mut closes = tokio::task::JoinSet::new();
+    for mut s in slow {
+        closes.spawn(async move { read_until_closed(&mut s, 4096).await });
+    }
+    for (i, answer) in closes.join_all().await.into_iter().enumerate() {
+        let line = status_line(&answer);
+        assert!(answer.is_empty() || line.contains(" 408"), "slow client {i} got {line:?}");
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn every_listener_closes_slow_clients_while_it_answers_others(pool: PgPool) {
+    let app = TestApp::start(pool, &[("AIRLOCK__HTTP__HEADER_READ_TIMEOUT_SECONDS", "1")]).await;
+    // A real worker process serving its metrics and the node protocol, with the same limits.
+    let (metrics, node) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
+    let dir = std::env::temp_dir().join(format!("airlock-slow-{}", uuid::Uuid::new_v4().simple()));
+    let (data_dir, store_dir) = (dir.join("node").display().to_string(), dir.join("store").display().to_string());
+    let mut env = app.env_pairs();
+    env.extend([
+        ("AIRLOCK__WORKER__METRICS_LISTEN", metrics.as_str()),
+        ("AIRLOCK__WORKER__NODE_ID", "node_slow"),
+        ("AIRLOCK__WORKER__NODE_LISTEN", node.as_str()),
+        ("AIRLOCK__WORKER__DATA_DIR", data_dir.as_str()),
+        ("AIRLOCK__CAPSULES__STORE_DIR", store_dir.as_str()),
+        ("AIRLOCK_FLEET_SECRET", "slow-clients-fleet-secret"),
+    ]);
+    let _worker =
+        airlock_tests::harness::KillOnDrop(airlock_tests::harness::spawn("airlock-worker", &[], &app.db_url, &env));
+    let http = app.http.clone();
+    let healthy = |base: String| {
+        let http = http.clone();
+        async move {
+            tokio::time::timeout(BOUND, async {
+                loop {
+                    if let Ok(r) = http.get(format!("{base}/healthz")).send().await {
+                        return r.status();
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            })
+            .await
+            .expect("the listener answers")
+        }
+    };
+    let listeners = [
+        ("admin", app.admin.trim_start_matches("http://").to_string()),
+        ("worker metrics", metrics.clone()),
+        ("node protocol", node.clone()),
+    ];
+    for (name, addr) in &listeners {
+        assert_eq!(healthy(format!("http://{addr}")).await, StatusCode::OK, "{name} is up");
+    }
+    for (name, addr) in listeners {
+        let slow = hold_slow_connections(&addr).await;
+        // Answered while 300 connections stall it.
+        assert_eq!(healthy(format!("http://{addr}")).await, StatusCode::OK, "{name} answers while held");
+        all_closed_by_the_server(slow).await;
+        assert_eq!(healthy(format!("http://{addr}")).await, StatusCode::OK, "{name} answers afterwards");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]

@@ -82,28 +82,33 @@ pub async fn submit(
     let job = NewJob::new(SCORE_JOB, json!({"delivery_id": id})).unique_key(format!("score:{id}")).priority(50);
     let (addresses, domains) = suppressions::lookup_keys(&s.artifact);
     let limited = cfg.limits.deliveries_per_hour(agent) > 0 || cfg.limits.per_recipient_per_day > 0;
-    let mut tx = pool.begin().await?;
-    if limited {
-        check_recipients_and_limits(&mut tx, cfg, agent, &s).await?;
-    }
     let recipients: &[String] = if let Artifact::Email { .. } = &s.artifact { &addresses } else { &[] };
-    if let Some(d) = store::submit(&mut *tx, &new, &job, recipients).await? {
-        // Without limits, a new delivery is checked against the suppressions after it is
-        // written, in the same transaction (one round trip fewer than looking its step up
-        // first); a suppressed one is rolled back, so nothing stays written. A suppression
-        // added while this commits is caught at send time (transaction A).
-        if !limited && !addresses.is_empty() {
-            let found = store::suppressions::matching_suppressions(&mut *tx, &addresses, &domains).await?;
-            if let Some(first) = found.first() {
+    let written = if limited {
+        let mut tx = pool.begin().await?;
+        check_recipients_and_limits(&mut tx, cfg, agent, &s).await?;
+        let d = store::submit(&mut *tx, &new, &job, recipients).await?;
+        tx.commit().await?;
+        d
+    } else {
+        // Without limits: the suppressions read, then the one submit statement, each on its
+        // own, so the run's row (whose budget the submission spends) is held only for that
+        // statement. A suppression added in between is caught at send time (transaction A).
+        if !addresses.is_empty() {
+            let found = store::suppressions::matching_suppressions(pool, &addresses, &domains).await?;
+            if let Some(first) = found.first()
+                && store::find_by_step(pool, run_id, step_id).await?.is_none()
+            {
                 return Err(PipelineError::Suppressed(suppressions::describe(first)));
             }
+            // A repeat of a step that has its delivery already is answered as before.
         }
-        tx.commit().await?;
+        store::submit(pool, &new, &job, recipients).await?
+    };
+    if let Some(d) = written {
         waker.wake(&job.queue);
         tracing::info!(delivery.id = %d.id, run.id = %run_id, "delivery persisted");
         return Ok((d, true));
     }
-    drop(tx);
     // Nothing was written. Said in the order a submission is judged: whose run it is,
     // whether the step has its delivery already (or is something else in the run's log),
     // whether the run takes steps, whether a step is left to spend.

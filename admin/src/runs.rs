@@ -167,11 +167,5 @@ pub async fn resolve_effect(
 }
 
 fn reason(r: Option<&str>, field: &str) -> Result<String, ApiError> {
-    match r.map(str::trim) {
-        Some(s) if !s.is_empty() && s.chars().count() <= 2000 => {
-            airlock_core::text::refuse_format_chars(s).map_err(|e| ApiError::validation(format!("{field}: {e}")))?;
-            Ok(s.to_string())
-        }
-        _ => Err(ApiError::validation(format!("{field}: 1 to 2000 characters are required"))),
-    }
+    airlock_core::text::human_note(r, field).map(str::to_string).map_err(ApiError::validation)
 }

@@ -208,11 +208,7 @@ pub async fn decide(
     decision: Decision<'_>,
     note: &str,
 ) -> Result<Authorization, TurnError> {
-    let note = note.trim();
-    if note.is_empty() || note.chars().count() > 2000 {
-        return Err(TurnError::Invalid("note: why, 1 to 2000 characters, is required".into()));
-    }
-    airlock_core::text::refuse_format_chars(note).map_err(|e| TurnError::Invalid(format!("note: {e}")))?;
+    let note = airlock_core::text::human_note(Some(note), "note").map_err(TurnError::Invalid)?;
     if let Decision::Grant { arguments_sha256 } = decision
         && !(arguments_sha256.len() == 64 && arguments_sha256.bytes().all(|b| b.is_ascii_hexdigit()))
     {

@@ -94,11 +94,6 @@ pub type Gauges = for<'a> fn(&'a PgPool) -> Pin<Box<dyn Future<Output = Result<(
 /// for one sample instead of each counting.
 static LAST_SAMPLE: tokio::sync::Mutex<Option<std::time::Instant>> = tokio::sync::Mutex::const_new(None);
 
-/// Samples the gauges, then renders everything in Prometheus text.
-pub async fn render(pool: &PgPool, gauges: Gauges) -> String {
-    render_sampled(pool, gauges, std::time::Duration::ZERO).await
-}
-
 /// Renders everything in Prometheus text, sampling the gauges only when the last sample
 /// of this process is older than `every` (`http.metrics_sample_seconds`): a scrape costs
 /// the database at most one count per interval, however many scrapers there are.

@@ -19,6 +19,24 @@ pub fn refuse_format_chars(s: &str) -> Result<(), String> {
     }
 }
 
+/// The longest note or reason a human may give, in characters.
+pub const MAX_NOTE_CHARS: usize = 2000;
+
+/// A human's note or reason, the one rule for every human action (each is recorded with
+/// why): 1 to [`MAX_NOTE_CHARS`] characters once trimmed, with no format characters (the
+/// note is shown to the next reviewer and in the audit log). The error names `field`.
+pub fn human_note<'a>(note: Option<&'a str>, field: &str) -> Result<&'a str, String> {
+    match note.map(str::trim) {
+        Some(n) if !n.is_empty() && n.chars().count() <= MAX_NOTE_CHARS => {
+            refuse_format_chars(n).map_err(|e| format!("{field}: {e}"))?;
+            Ok(n)
+        }
+        _ => Err(format!(
+            "{field}: 1 to {MAX_NOTE_CHARS} characters are required (every human action is recorded with why)"
+        )),
+    }
+}
+
 /// Unicode's general category Cf (format), as of Unicode 16.
 pub fn is_format(c: char) -> bool {
     matches!(
@@ -50,6 +68,16 @@ pub fn is_format(c: char) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_note_is_required_trimmed_bounded_and_visible() {
+        assert_eq!(human_note(Some("  checked  "), "note"), Ok("checked"));
+        for bad in [None, Some(""), Some("   "), Some("ok\u{202E}")] {
+            assert!(human_note(bad, "note").unwrap_err().starts_with("note: "), "{bad:?}");
+        }
+        assert!(human_note(Some(&"é".repeat(2000)), "note").is_ok());
+        assert!(human_note(Some(&"é".repeat(2001)), "reason").unwrap_err().starts_with("reason: "));
+    }
 
     #[test]
     fn format_characters_are_found_where_they_are() {

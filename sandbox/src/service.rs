@@ -182,7 +182,7 @@ pub enum Choice {
 }
 
 /// An operator's choice for an `awaiting_choice` task: a tier (the task is queued to run)
-/// or a refusal (which needs a note). Not bounded by the agent's scope: it is the
+/// or a refusal, each with its note. Not bounded by the agent's scope: it is the
 /// exception path, and it is audited.
 #[tracing::instrument(skip_all, fields(task.id = %id))]
 pub async fn choose(
@@ -194,17 +194,7 @@ pub async fn choose(
     note: Option<&str>,
 ) -> Result<Task, SandboxError> {
     // Every human action is recorded with why.
-    let note = match note.map(str::trim) {
-        Some(n) if !n.is_empty() && n.chars().count() <= 2000 => {
-            airlock_core::text::refuse_format_chars(n).map_err(|e| SandboxError::Invalid(format!("note: {e}")))?;
-            Some(n)
-        }
-        _ => {
-            return Err(SandboxError::Invalid(
-                "note: 1 to 2000 characters are required (every human choice is recorded with why)".into(),
-            ));
-        }
-    };
+    let note = airlock_core::text::human_note(note, "note").map_err(SandboxError::Invalid)?;
     let tier = match choice {
         Choice::Tier(name) => Some(cfg.tiers.get(name).ok_or_else(|| {
             SandboxError::Invalid(format!("tier: unknown tier `{name}` (tiers: {})", cfg.tiers.names().join(", ")))
@@ -219,12 +209,12 @@ pub async fn choose(
             task.state
         )));
     }
-    let (verdict, action, default_reason) = match tier {
-        Some(_) => (Verdict::Chosen, "sandbox.choose", "chosen by an operator"),
-        None => (Verdict::Denied, "sandbox.deny", "refused by an operator"),
+    let (verdict, action) = match tier {
+        Some(_) => (Verdict::Chosen, "sandbox.choose"),
+        None => (Verdict::Denied, "sandbox.deny"),
     };
     let chooser = selection::human_chooser(&who.name);
-    let (task, decision) = settle(&mut tx, &task, verdict, tier, &chooser, note.unwrap_or(default_reason)).await?;
+    let (task, decision) = settle(&mut tx, &task, verdict, tier, &chooser, note).await?;
     audit::record(
         &mut tx,
         who,
@@ -232,7 +222,7 @@ pub async fn choose(
             action,
             target_kind: "sandbox_task",
             target_id: task.id.to_string(),
-            reason: note,
+            reason: Some(note),
             data: json!({"tier": decision.chosen_tier, "requested_tier": task.requested_tier,
                          "mode": task.mode, "agent": task.agent, "decision_id": decision.id}),
         },

@@ -118,6 +118,11 @@ pub fn wait_exit(child: &mut Child, timeout: Duration) -> std::process::ExitStat
     }
 }
 
+/// A loopback port nothing listens on right now, for a process to bind.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port").local_addr().expect("local addr").port()
+}
+
 /// Polls `check` every 20 ms until it returns `Some`, or panics after `timeout` with `what`.
 pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, check: F) -> T
 where

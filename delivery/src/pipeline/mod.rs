@@ -185,19 +185,9 @@ fn require_state(d: &Delivery, allowed: &[DeliveryState], what: &str) -> Result<
     }
 }
 
-/// A human's note or reason: every human action is recorded with why. 1 to 2000
-/// characters once trimmed, with no invisible or direction-changing format characters
-/// (the note is shown to the next reviewer and in the audit log).
+/// A human's note or reason ([`airlock_core::text::human_note`]).
 fn non_empty(v: Option<&str>, field: &str) -> Result<String, PipelineError> {
-    match v.map(str::trim) {
-        Some(s) if !s.is_empty() && s.chars().count() <= 2000 => {
-            airlock_core::text::refuse_format_chars(s).map_err(|e| PipelineError::Invalid(format!("{field}: {e}")))?;
-            Ok(s.to_string())
-        }
-        _ => Err(PipelineError::Invalid(format!(
-            "{field}: 1 to 2000 characters are required (every human action is recorded with why)"
-        ))),
-    }
+    airlock_core::text::human_note(v, field).map(str::to_string).map_err(PipelineError::Invalid)
 }
 
 async fn audit_delivery(

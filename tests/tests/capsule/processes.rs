@@ -19,10 +19,6 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 async fn migrate(app: &TestApp, agent: &str, target: &str) -> Value {
     let (s, v) = app
         .call(
@@ -44,7 +40,7 @@ async fn two_worker_processes_host_and_move_an_agent(pool: PgPool) {
     let root = std::env::temp_dir().join(format!("airlock-procs-{}", uuid::Uuid::new_v4()));
     let _cleanup = TempDir(root.clone());
     let store_dir = root.join("store");
-    let (pa, pb) = (free_port(), free_port());
+    let (pa, pb) = (harness::free_port(), harness::free_port());
     let (url_a, url_b) = (format!("http://127.0.0.1:{pa}"), format!("http://127.0.0.1:{pb}"));
     let shared = [
         ("AIRLOCK__NODES__NODE_A__URL".to_string(), url_a.clone()),

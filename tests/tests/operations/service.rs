@@ -13,16 +13,12 @@ use yaml_rust2::{Yaml, YamlLoader};
 
 const WAIT: Duration = Duration::from_secs(60);
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn every_service_serves_health_and_metrics(pool: PgPool) {
     let app = TestApp::start(pool, &[]).await;
     app.set_switch(true).await;
     // A real worker process with its own metrics endpoint sends one delivery.
-    let port = free_port();
+    let port = harness::free_port();
     let mut env = app.env_pairs();
     let listen = format!("127.0.0.1:{port}");
     env.push(("AIRLOCK__WORKER__METRICS_LISTEN", &listen));

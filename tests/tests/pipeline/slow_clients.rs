@@ -130,15 +130,14 @@ async fn all_closed_by_the_server(slow: Vec<TcpStream>) {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn every_listener_closes_slow_clients_while_it_answers_others(pool: PgPool) {
     let app = TestApp::start(pool, &[("AIRLOCK__HTTP__HEADER_READ_TIMEOUT_SECONDS", "1")]).await;
     // A real worker process serving its metrics and the node protocol, with the same limits.
-    let (metrics, node) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
+    let (metrics, node) = (
+        format!("127.0.0.1:{}", airlock_tests::harness::free_port()),
+        format!("127.0.0.1:{}", airlock_tests::harness::free_port()),
+    );
     let dir = std::env::temp_dir().join(format!("airlock-slow-{}", uuid::Uuid::new_v4().simple()));
     let (data_dir, store_dir) = (dir.join("node").display().to_string(), dir.join("store").display().to_string());
     let mut env = app.env_pairs();
@@ -156,16 +155,11 @@ async fn every_listener_closes_slow_clients_while_it_answers_others(pool: PgPool
     let healthy = |base: String| {
         let http = http.clone();
         async move {
-            tokio::time::timeout(BOUND, async {
-                loop {
-                    if let Ok(r) = http.get(format!("{base}/healthz")).send().await {
-                        return r.status();
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
+            airlock_tests::harness::wait_for("the listener to answer", BOUND, || {
+                let (http, url) = (http.clone(), format!("{base}/healthz"));
+                async move { http.get(url).send().await.ok().map(|r| r.status()) }
             })
             .await
-            .expect("the listener answers")
         }
     };
     let listeners = [

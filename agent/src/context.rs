@@ -69,12 +69,39 @@ pub fn machine(turn: TurnId) -> String {
     format!("turn-{turn}")
 }
 
-/// The lines of the agent's journal airlock wrote (every turn's chain), in order.
-pub async fn stored_lines(db: impl PgExecutor<'_>, agent: &str) -> Result<Vec<(String, String)>, sqlx::Error> {
-    sqlx::query_as("SELECT machine, line FROM agent_journal WHERE agent = $1 ORDER BY machine, seq")
-        .bind(agent)
-        .fetch_all(db)
-        .await
+/// Other turns' chains weighed for a read, the newest first, before their bytes are counted.
+const NEWEST_CHAINS: i64 = 1024;
+
+/// The lines of the agent's journal airlock wrote, as whole chains: `machine`'s (the reading
+/// turn's own, if it has any) and the other turns' from the newest back while their lines
+/// total at most `budget` bytes. What is read is bounded by the budget, never by the agent's
+/// history (an index finds the newest chains: `agent_journal_chains_idx`).
+pub async fn stored_lines(
+    db: impl PgExecutor<'_>,
+    agent: &str,
+    machine: &str,
+    budget: usize,
+) -> Result<Vec<(String, String)>, sqlx::Error> {
+    sqlx::query_as(
+        "WITH newest AS (
+             SELECT machine, at FROM agent_journal
+             WHERE agent = $1 AND seq = 1 AND machine <> $2
+             ORDER BY at DESC, machine DESC LIMIT $4
+         ), sized AS (
+             SELECT n.machine, sum(sum(octet_length(j.line))) OVER (ORDER BY n.at DESC, n.machine DESC) AS upto
+             FROM newest n JOIN agent_journal j ON j.agent = $1 AND j.machine = n.machine
+             GROUP BY n.machine, n.at
+         )
+         SELECT machine, line FROM agent_journal
+         WHERE agent = $1 AND (machine = $2 OR machine IN (SELECT machine FROM sized WHERE upto <= $3))
+         ORDER BY machine, seq",
+    )
+    .bind(agent)
+    .bind(machine)
+    .bind(i64::try_from(budget).unwrap_or(i64::MAX))
+    .bind(if budget == 0 { 0 } else { NEWEST_CHAINS })
+    .fetch_all(db)
+    .await
 }
 
 /// The agent's journal: the capsule's (if any) merged with the lines airlock wrote.

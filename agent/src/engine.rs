@@ -191,12 +191,10 @@ impl Engine {
             .map(|s| (s.step_id.clone(), s))
             .collect();
         let capsule = self.tools.journal_of(&t.agent).await.map_err(retry)?;
-        let stored = context::stored_lines(&self.pool, &t.agent).await?;
-        let machine = context::machine(id);
-        let stored: Vec<(String, String)> = match capsule {
-            Some(_) => stored,
-            None => stored.into_iter().filter(|(m, _)| *m == machine).collect(),
-        };
+        // Without a capsule the context is the turn's own chain; with one, the capsule's
+        // journal and the agent's newest turns within `agent.journal_read_bytes`.
+        let budget = if capsule.is_some() { self.config.agent.journal_read_bytes } else { 0 };
+        let stored = context::stored_lines(&self.pool, &t.agent, &context::machine(id), budget).await?;
         let journal =
             context::merged(capsule.as_ref(), &stored).map_err(|e| retry(format!("the agent's journal: {e}")))?;
         let prompt = self.catalogue.prompt(&t.instructions, &t.tools);

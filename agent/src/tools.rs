@@ -225,8 +225,9 @@ impl ToolBox {
 
     async fn search(&self, agent: &str, query: &str, limit: usize) -> Result<Value, CallError> {
         let capsule = self.capsule_journal(agent).await?.map(|(j, _)| j);
-        let stored =
-            crate::context::stored_lines(&self.pool, agent).await.map_err(|e| CallError::Retry(e.to_string()))?;
+        let stored = crate::context::stored_lines(&self.pool, agent, "", self.config.agent.journal_read_bytes)
+            .await
+            .map_err(|e| CallError::Retry(e.to_string()))?;
         let journal = crate::context::merged(capsule.as_ref(), &stored)
             .map_err(|e| failed(format!("the agent's journal cannot be read: {e}")))?;
         let needle = query.to_lowercase();

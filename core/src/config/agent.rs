@@ -20,6 +20,10 @@ pub struct AgentConfig {
     pub sandbox_wait_seconds: u64,
     /// How long a declared HTTP tool may take.
     pub tool_timeout_seconds: u64,
+    /// The most bytes of the agent's earlier turns (whole turns, the newest first) read
+    /// from its journal for a turn's context (an agent with a capsule) and for
+    /// `journal.search`: what a turn reads does not grow with the agent's history.
+    pub journal_read_bytes: usize,
 }
 
 impl Default for AgentConfig {
@@ -31,6 +35,7 @@ impl Default for AgentConfig {
             max_result_bytes: 16 * 1024,
             sandbox_wait_seconds: 300,
             tool_timeout_seconds: 30,
+            journal_read_bytes: 1024 * 1024,
         }
     }
 }
@@ -84,6 +89,9 @@ impl AgentConfig {
         }
         if !(256..=4 * 1024 * 1024).contains(&self.max_result_bytes) {
             return Err("agent.max_result_bytes: between 256 and 4194304".into());
+        }
+        if self.journal_read_bytes > 256 * 1024 * 1024 {
+            return Err("agent.journal_read_bytes: at most 268435456".into());
         }
         if self.sandbox_wait_seconds == 0 || self.tool_timeout_seconds == 0 {
             return Err("agent.sandbox_wait_seconds and agent.tool_timeout_seconds: positive".into());

@@ -792,3 +792,75 @@ async fn sandbox_run_is_a_task_of_the_agent_waited_for_and_the_same_call_is_the_
             .unwrap();
     assert_eq!(key, effect_key);
 }
+
+/// Writes a chain of `n` messages for turn-`name` of `agent`, its lines stamped `age`
+/// seconds ago; returns its bytes.
+async fn chain(pool: &PgPool, agent: &str, name: &str, n: usize, text: &str, age: i64) -> i64 {
+    let mut j = airlock_capsule::journal::Journal::new();
+    let machine = format!("turn-{name}");
+    for _ in 0..n {
+        j.append(
+            &machine,
+            airlock_capsule::journal::EventKind::Message,
+            json!({"role": "user", "text": text}),
+            "2026-12-01T00:00:00Z",
+        );
+    }
+    let mut bytes = 0;
+    for l in j.lines() {
+        bytes += l.raw().len() as i64;
+        sqlx::query(
+            "INSERT INTO agent_journal (agent, machine, seq, line, at) VALUES ($1, $2, $3, $4, now() - make_interval(secs => $5))",
+        )
+        .bind(agent)
+        .bind(&machine)
+        .bind(l.event().seq as i64)
+        .bind(l.raw())
+        .bind(age as f64)
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    bytes
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn what_a_turn_reads_of_the_agents_journal_is_bounded_by_a_budget_not_by_its_history(pool: PgPool) {
+    use airlock_agent::context::{merged, stored_lines};
+    // Forty earlier turns of agent-1, the oldest first, and one of another agent.
+    let mut sizes = Vec::new();
+    for i in 0..40 {
+        let text = if i == 0 { "OLDEST-TURN-MARKER".to_string() } else { format!("turn {i}") };
+        sizes.push(chain(&pool, "agent-1", &format!("t{i:02}"), 3, &text, 1000 - i).await);
+    }
+    chain(&pool, "agent-2", "x", 3, "ANOTHER-AGENT", 0).await;
+    let own = chain(&pool, "agent-1", "own", 2, "MY-OWN-TURN", 5000).await;
+
+    // No budget: the reading turn's own chain, nothing else.
+    let lines = stored_lines(&pool, "agent-1", "turn-own", 0).await.unwrap();
+    assert_eq!(lines.len(), 2);
+    assert!(lines.iter().all(|(m, _)| m == "turn-own"));
+
+    // A budget of the newest five chains (and a byte short of six): exactly those, whole,
+    // with the turn's own chain however old it is; never another agent's lines.
+    let budget: i64 = sizes.iter().rev().take(5).sum::<i64>() + sizes[34] - 1;
+    let lines = stored_lines(&pool, "agent-1", "turn-own", budget as usize).await.unwrap();
+    let machines: std::collections::BTreeSet<&str> = lines.iter().map(|(m, _)| m.as_str()).collect();
+    let want: std::collections::BTreeSet<&str> =
+        ["turn-own", "turn-t35", "turn-t36", "turn-t37", "turn-t38", "turn-t39"].into_iter().collect();
+    assert_eq!(machines, want);
+    assert_eq!(lines.len(), 2 + 5 * 3);
+    let read: i64 = lines.iter().map(|(_, l)| l.len() as i64).sum();
+    assert!(read <= budget + own, "{read} > {budget} + {own}");
+    // Whole chains: they parse and verify as a journal.
+    let journal = merged(None, &lines).unwrap();
+    assert_eq!(journal.len(), 17);
+    assert!(!lines.iter().any(|(_, l)| l.contains("OLDEST-TURN-MARKER") || l.contains("ANOTHER-AGENT")));
+
+    // A budget over everything: all of agent-1's chains, still none of agent-2's.
+    let lines = stored_lines(&pool, "agent-1", "", usize::MAX).await.unwrap();
+    assert_eq!(lines.len(), 40 * 3 + 2);
+    assert!(lines.iter().any(|(_, l)| l.contains("OLDEST-TURN-MARKER")));
+    assert!(!lines.iter().any(|(_, l)| l.contains("ANOTHER-AGENT")));
+    merged(None, &lines).unwrap();
+}

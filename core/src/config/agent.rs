@@ -35,7 +35,7 @@ impl Default for AgentConfig {
             max_result_bytes: 16 * 1024,
             sandbox_wait_seconds: 300,
             tool_timeout_seconds: 30,
-            journal_read_bytes: 1024 * 1024,
+            journal_read_bytes: 256 * 1024,
         }
     }
 }
@@ -90,8 +90,8 @@ impl AgentConfig {
         if !(256..=4 * 1024 * 1024).contains(&self.max_result_bytes) {
             return Err("agent.max_result_bytes: between 256 and 4194304".into());
         }
-        if self.journal_read_bytes > 256 * 1024 * 1024 {
-            return Err("agent.journal_read_bytes: at most 268435456".into());
+        if !(self.max_context_bytes..=256 * 1024 * 1024).contains(&self.journal_read_bytes) {
+            return Err("agent.journal_read_bytes: between agent.max_context_bytes and 268435456".into());
         }
         if self.sandbox_wait_seconds == 0 || self.tool_timeout_seconds == 0 {
             return Err("agent.sandbox_wait_seconds and agent.tool_timeout_seconds: positive".into());

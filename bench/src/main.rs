@@ -477,6 +477,11 @@ async fn pipeline(args: &Args) -> anyhow::Result<PipelineRun> {
         let out = cmd.env("DATABASE_URL", &db.url).env("RUST_LOG", "error").output()?;
         Ok(String::from_utf8(out.stdout)?.trim().to_string())
     };
+    // A worker that cannot start (one without bubblewrap refuses to) fails the run here,
+    // rather than leaving it to wait for receipts that never come.
+    wait_until(&db.pool, "SELECT count(*) FROM workers WHERE stopped_at IS NULL", 2, Duration::from_secs(60))
+        .await
+        .context("the pipeline's two workers did not start (their errors are above)")?;
     let agent = token("agent", "bench-agent")?;
     let operator = token("operator", "bench-operator")?;
     let http = reqwest::Client::new();

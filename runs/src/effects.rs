@@ -180,7 +180,7 @@ pub async fn begin(
     });
     let step = NewStep { step_id: new.step_id, kind: StepKind::Effect, data: &data, usage: new.usage };
     let mut qb = QueryBuilder::new("WITH ");
-    push_spend(&mut qb, "spent", run_id, Some(agent), Some(epoch), new.usage, true);
+    push_spend(&mut qb, run_id, Some(agent), Some(epoch), new.usage, true, None);
     qb.push(", ");
     push_insert(&mut qb, "step", "spent", &step);
     qb.push(
@@ -267,7 +267,7 @@ async fn begin_again(
         return Err(not_allowed(run.state, Action::Exhaust));
     }
     let mut qb = QueryBuilder::new("WITH ");
-    push_spend(&mut qb, "spent", run_id, Some(agent), Some(epoch), new.usage, false);
+    push_spend(&mut qb, run_id, Some(agent), Some(epoch), new.usage, false, None);
     qb.push(
         " INSERT INTO run_effects (run_id, step_id, attempt, event, effect_class, target, description, \
          idempotency_key, epoch, actor) SELECT id, ",

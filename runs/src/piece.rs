@@ -14,7 +14,9 @@ use crate::steps::{NewStep, StepKind, push_insert, push_spend};
 /// (if no limit would be passed) and records step `step_id` of kind `kind` with `data` in
 /// its replay log. `step` yields `(run_id, seq, step_id, …)` when both were written,
 /// nothing otherwise; a step that exists fails the statement (the unique key
-/// `run_steps_run_step_key`), and with it everything the statement wrote.
+/// `run_steps_run_step_key`), and with it everything the statement wrote. With `unless`,
+/// the name of an earlier CTE of the statement: nothing is spent or recorded when it
+/// yields a row.
 pub fn spend_and_record(
     qb: &mut QueryBuilder<Postgres>,
     run_id: RunId,
@@ -22,9 +24,10 @@ pub fn spend_and_record(
     step_id: &str,
     kind: StepKind,
     data: &Value,
+    unless: Option<&'static str>,
 ) {
     let usage = Usage::default();
-    push_spend(qb, "spent", run_id, Some(agent), None, usage, true);
+    push_spend(qb, run_id, Some(agent), None, usage, true, unless);
     qb.push(", ");
     push_insert(qb, "step", "spent", &NewStep { step_id, kind, data, usage });
 }

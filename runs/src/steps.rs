@@ -104,20 +104,21 @@ pub fn check_step_id(s: &str) -> Result<(), RunError> {
     Ok(())
 }
 
-/// Pushes `cte AS (…)`: spends one step and `usage` of active run `run_id` (of `agent`,
+/// Pushes `spent AS (…)`: spends one step and `usage` of active run `run_id` (of `agent`,
 /// held at `epoch`, when given), if no limit would be passed, and takes the next `seq`
 /// when `take_seq`. Yields `(id, seq, epoch)`, or nothing (not found, stale, not active,
-/// or over budget: [`run::refusal`] and [`run::exhaust_if_over`] say which).
+/// or over budget: [`run::refusal`] and [`run::exhaust_if_over`] say which). With
+/// `unless`, an earlier CTE of the statement: nothing is spent when it yields a row.
 pub(crate) fn push_spend(
     qb: &mut QueryBuilder<Postgres>,
-    cte: &str,
     run_id: RunId,
     agent: Option<&str>,
     epoch: Option<i64>,
     usage: Usage,
     take_seq: bool,
+    unless: Option<&'static str>,
 ) {
-    qb.push(cte).push(" AS (UPDATE runs SET used_steps = used_steps + 1, used_tokens = used_tokens + ");
+    qb.push("spent AS (UPDATE runs SET used_steps = used_steps + 1, used_tokens = used_tokens + ");
     qb.push_bind(usage.tokens).push(", used_cost_micros = used_cost_micros + ").push_bind(usage.cost_micros);
     qb.push(if take_seq { ", next_seq = next_seq + 1" } else { "" });
     qb.push(", updated_at = now() WHERE id = ").push_bind(run_id);
@@ -126,6 +127,9 @@ pub(crate) fn push_spend(
     }
     if let Some(epoch) = epoch {
         qb.push(" AND epoch = ").push_bind(epoch);
+    }
+    if let Some(unless) = unless {
+        qb.push(" AND NOT EXISTS (SELECT 1 FROM ").push(unless).push(")");
     }
     qb.push(
         " AND state = 'active' AND (max_steps = 0 OR used_steps < max_steps) AND (max_tokens = 0 OR used_tokens + ",
@@ -168,7 +172,7 @@ pub async fn record(
     // A run whose state changed between the attempt and its diagnosis is tried again.
     for _ in 0..3 {
         let mut qb = QueryBuilder::new("WITH ");
-        push_spend(&mut qb, "spent", run_id, Some(agent), Some(epoch), new.usage, true);
+        push_spend(&mut qb, run_id, Some(agent), Some(epoch), new.usage, true, None);
         qb.push(", ");
         push_insert(&mut qb, "step", "spent", new);
         qb.push(" SELECT * FROM step");

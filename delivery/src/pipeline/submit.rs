@@ -86,23 +86,15 @@ pub async fn submit(
     let written = if limited {
         let mut tx = pool.begin().await?;
         check_recipients_and_limits(&mut tx, cfg, agent, &s).await?;
-        let d = store::submit(&mut *tx, &new, &job, recipients).await?;
+        let d = store::submit(&mut *tx, &new, &job, recipients, None).await?;
         tx.commit().await?;
         d
     } else {
-        // Without limits: the suppressions read, then the one submit statement, each on its
-        // own, so the run's row (whose budget the submission spends) is held only for that
-        // statement. A suppression added in between is caught at send time (transaction A).
-        if !addresses.is_empty() {
-            let found = store::suppressions::matching_suppressions(pool, &addresses, &domains).await?;
-            if let Some(first) = found.first()
-                && store::find_by_step(pool, run_id, step_id).await?.is_none()
-            {
-                return Err(PipelineError::Suppressed(suppressions::describe(first)));
-            }
-            // A repeat of a step that has its delivery already is answered as before.
-        }
-        store::submit(pool, &new, &job, recipients).await?
+        // Without limits: one statement, a transaction of its own, that writes nothing when
+        // a live suppression matches a recipient (a suppression added while it runs is
+        // caught at send time, in transaction A).
+        let guard = (!addresses.is_empty()).then_some((&addresses[..], &domains[..]));
+        store::submit(pool, &new, &job, recipients, guard).await?
     };
     if let Some(d) = written {
         waker.wake(&job.queue);
@@ -111,7 +103,8 @@ pub async fn submit(
     }
     // Nothing was written. Said in the order a submission is judged: whose run it is,
     // whether the step has its delivery already (or is something else in the run's log),
-    // whether the run takes steps, whether a step is left to spend.
+    // whether a recipient is suppressed, whether the run takes steps, whether a step is
+    // left to spend.
     let run = airlock_runs::run::get(pool, run_id, agent).await?.ok_or(PipelineError::NotFound("run"))?;
     match store::find_by_step(pool, run_id, step_id).await? {
         Some(existing) if existing.submitted_sha256 == s.artifact.sha256_hex() => return Ok((existing, false)),
@@ -125,6 +118,12 @@ pub async fn submit(
             given: StepKind::Delivery.as_str().into(),
         }
         .into());
+    }
+    if !limited && !addresses.is_empty() {
+        let found = store::suppressions::matching_suppressions(pool, &addresses, &domains).await?;
+        if let Some(first) = found.first() {
+            return Err(PipelineError::Suppressed(suppressions::describe(first)));
+        }
     }
     if run.state != RunState::Active {
         return Err(airlock_runs::run::not_allowed(run.state, Action::Exhaust).into());

@@ -74,12 +74,14 @@ pub struct NewDelivery<'a> {
 /// event and `job`, its scoring, with no NOTIFY (see [`airlock_queue::Waker`]). Every part
 /// or none: a step that is recorded already fails the statement, spent step included.
 /// `None`: nothing written, because the run is not `agent`'s, or not active, or has no
-/// step left, or the step is recorded already.
+/// step left, or the step is recorded already, or (with `unless_suppressed`, the lookup
+/// keys of the artifact's recipients: addresses and domains) a live suppression matches.
 pub async fn submit(
     db: impl PgExecutor<'_>,
     new: &NewDelivery<'_>,
     job: &airlock_queue::NewJob,
     recipients: &[String],
+    unless_suppressed: Option<(&[String], &[String])>,
 ) -> Result<Option<Delivery>, sqlx::Error> {
     let NewDelivery { id, run_id, step_id, agent, artifact, idempotency_key, actor } = *new;
     let sha = artifact.sha256_hex();
@@ -104,6 +106,14 @@ pub async fn submit(
     // The delivery is a step of its run's replay log, spending one step of its budget.
     let step_data = serde_json::json!({"delivery_id": id, "channel": artifact.channel(), "artifact_sha256": sha});
     let mut qb = airlock_queue::piece::Builder::new("WITH ");
+    if let Some((addresses, domains)) = unless_suppressed {
+        // The suppressions read of `matching_suppressions`, in the same statement.
+        qb.push(
+            "blocked AS (SELECT 1 FROM suppressions WHERE lifted_at IS NULL AND ((kind = 'address' AND value = ANY (",
+        );
+        qb.push_bind(addresses.to_vec()).push(")) OR (kind = 'domain' AND value = ANY (");
+        qb.push_bind(domains.to_vec()).push("))) LIMIT 1), ");
+    }
     airlock_runs::piece::spend_and_record(
         &mut qb,
         run_id,
@@ -111,6 +121,7 @@ pub async fn submit(
         step_id,
         airlock_runs::steps::StepKind::Delivery,
         &step_data,
+        unless_suppressed.map(|_| "blocked"),
     );
     qb.push(", artifact AS (INSERT INTO artifacts (sha256, body, size_bytes) SELECT ");
     qb.push_bind(sha.clone()).push(", ").push_bind(artifact.to_json()).push(", ").push_bind(size);

@@ -235,25 +235,41 @@ pub async fn read_for_send_many(db: impl PgExecutor<'_>, ids: &[DeliveryId]) -> 
     .await
 }
 
-/// Lists deliveries oldest first, optionally in one state, after a cursor `(created_at, id)`.
+/// Lists deliveries oldest first, optionally in some states, after a cursor
+/// `(created_at, id)`. In one state (a review queue) the page is a range of
+/// `deliveries_state_idx` from the cursor on: no sort, and nothing read of the deliveries
+/// before the cursor or in other states, however many there are. Each shape of the filter
+/// is its own statement, so that a kept generic plan serves it as well as a fresh one.
 pub async fn list(
     db: impl PgExecutor<'_>,
     states: &[DeliveryState],
     after: Option<(DateTime<Utc>, DeliveryId)>,
     limit: i64,
 ) -> Result<Vec<Delivery>, sqlx::Error> {
-    sqlx::query_as(
-        r#"SELECT * FROM deliveries
-           WHERE (cardinality($1::delivery_state[]) = 0 OR state = ANY ($1))
-             AND ($2::timestamptz IS NULL OR (created_at, id) > ($2, $3))
-           ORDER BY created_at, id LIMIT $4"#,
-    )
-    .bind(states)
-    .bind(after.map(|a| a.0))
-    .bind(after.map(|a| a.1))
-    .bind(limit)
-    .fetch_all(db)
-    .await
+    list_statement(states, after, limit).build_query_as().fetch_all(db).await
+}
+
+/// The statement of [`list`] (its text is what a plan test prepares).
+pub fn list_statement(
+    states: &[DeliveryState],
+    after: Option<(DateTime<Utc>, DeliveryId)>,
+    limit: i64,
+) -> sqlx::QueryBuilder<sqlx::Postgres> {
+    let mut qb = sqlx::QueryBuilder::new("SELECT * FROM deliveries WHERE true");
+    match states {
+        [] => {}
+        [one] => {
+            qb.push(" AND state = ").push_bind(*one);
+        }
+        many => {
+            qb.push(" AND state = ANY (").push_bind(many.to_vec()).push(")");
+        }
+    }
+    if let Some((at, id)) = after {
+        qb.push(" AND (created_at, id) > (").push_bind(at).push(", ").push_bind(id).push(")");
+    }
+    qb.push(" ORDER BY created_at, id LIMIT ").push_bind(limit);
+    qb
 }
 
 /// What a list row shows of a delivery besides its own columns: the email's subject or

@@ -5,6 +5,7 @@
 
 mod bench_adapter;
 mod configuration;
+mod plans;
 mod service;
 mod switch_and_queues;
 mod tokens;

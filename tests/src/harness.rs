@@ -1,11 +1,12 @@
 //! Helpers shared by the suites: the database URL of a test's own database, the path of a
-//! built binary, spawning real processes, and bounded waiting.
+//! built binary, spawning real processes, bounded waiting, and the plans of a prepared
+//! statement.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 
 /// The URL of the database behind `pool` (a `#[sqlx::test]` database), built from
 /// `DATABASE_URL` with the database name replaced.
@@ -194,4 +195,24 @@ impl Rng {
     pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
         lo + self.next_u64() % (hi.saturating_sub(lo) + 1)
     }
+}
+
+/// The plans of the statement prepared on `conn` as `name`, run as `EXECUTE name(args)`:
+/// in a fresh plan for its values and in the generic plan a process keeps, as
+/// `(plan_cache_mode, plan)`. `plan_cache_mode` is reset afterwards.
+pub async fn plans(conn: &mut PgConnection, name: &str, args: &str) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    for mode in ["force_custom_plan", "force_generic_plan"] {
+        sqlx::query(sqlx::AssertSqlSafe(format!("SET plan_cache_mode = {mode}")))
+            .execute(&mut *conn)
+            .await
+            .expect("plan_cache_mode");
+        let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN EXECUTE {name}({args})")))
+            .fetch_all(&mut *conn)
+            .await
+            .expect("EXPLAIN EXECUTE");
+        out.push((mode, plan.join("\n")));
+    }
+    sqlx::query("RESET plan_cache_mode").execute(&mut *conn).await.expect("RESET plan_cache_mode");
+    out
 }

@@ -5,6 +5,7 @@
 use airlock_delivery::state::DeliveryState;
 use airlock_delivery::store::deliveries::list_statement;
 use airlock_tests::app::TestApp;
+use airlock_tests::harness;
 use chrono::{DateTime, Utc};
 use reqwest::StatusCode;
 use sqlx::PgPool;
@@ -47,16 +48,7 @@ async fn the_review_queue_is_read_through_its_index_whatever_the_history(pool: P
             None => "'in_review', 51".to_string(),
             Some(_) => format!("'in_review', '{}', '{id}', 51", at.to_rfc3339()),
         };
-        for mode in ["force_custom_plan", "force_generic_plan"] {
-            sqlx::query(sqlx::AssertSqlSafe(format!("SET plan_cache_mode = {mode}")))
-                .execute(&mut *conn)
-                .await
-                .unwrap();
-            let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN EXECUTE list({args})")))
-                .fetch_all(&mut *conn)
-                .await
-                .unwrap();
-            let plan = plan.join("\n");
+        for (mode, plan) in harness::plans(&mut conn, "list", &args).await {
             assert!(plan.contains("Index Scan using deliveries_state_idx"), "{page}, {mode}: {plan}");
             assert!(!plan.contains("Sort"), "{page}, {mode}: no sort of the queue: {plan}");
             assert!(!plan.contains("Seq Scan"), "{page}, {mode}: no scan of the history: {plan}");
@@ -66,7 +58,6 @@ async fn the_review_queue_is_read_through_its_index_whatever_the_history(pool: P
         }
         sqlx::query("DEALLOCATE list").execute(&mut *conn).await.unwrap();
     }
-    sqlx::query("RESET plan_cache_mode").execute(&mut *conn).await.unwrap();
     drop(conn);
 
     // What the route answers from it: the queue only, oldest first, paged by the cursor.

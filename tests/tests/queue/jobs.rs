@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use airlock_core::ids::JobId;
 use airlock_queue::{self as queue, ClaimFilter, EffectClass, FailOutcome, JobState, NewJob, QueueError};
+use airlock_tests::harness;
 use serde_json::json;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -417,18 +418,9 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
         };
         let sql = format!("PREPARE claim(text, text[], bigint, float8, int2, timestamptz, uuid[], int[]) AS {sql}");
         sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut *conn).await.unwrap();
-        for mode in ["force_custom_plan", "force_generic_plan"] {
-            sqlx::query(sqlx::AssertSqlSafe(format!("SET plan_cache_mode = {mode}")))
-                .execute(&mut *conn)
-                .await
-                .unwrap();
-            for queues in ["NULL", "'{default}'"] {
-                let sql = format!(
-                    "EXPLAIN EXECUTE claim('w', {queues}, 10, 30, 100, now() - interval '1 hour', '{{}}', '{{}}')"
-                );
-                let plan: Vec<String> =
-                    sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_all(&mut *conn).await.unwrap();
-                let plan = plan.join("\n");
+        for queues in ["NULL", "'{default}'"] {
+            let args = format!("'w', {queues}, 10, 30, 100, now() - interval '1 hour', '{{}}', '{{}}'");
+            for (mode, plan) in harness::plans(&mut conn, "claim", &args).await {
                 let case =
                     format!("paused {paused:?}, bounded {bounded}, completing {completing:?}, {mode}, queues {queues}");
                 if bounded {
@@ -444,7 +436,6 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
         }
         sqlx::query("DEALLOCATE claim").execute(&mut *conn).await.unwrap();
     }
-    sqlx::query("RESET plan_cache_mode").execute(&mut *conn).await.unwrap();
     drop(conn);
     let claimed = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10, LEASE).await.unwrap();
     assert_eq!(claimed.len(), 10);
@@ -492,23 +483,13 @@ async fn writes_fenced_on_a_lease_find_their_rows_through_the_primary_key(pool: 
     let mut conn = pool.acquire().await.unwrap();
     for (name, sql, args) in statements {
         sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE fenced AS {sql}"))).execute(&mut *conn).await.unwrap();
-        for mode in ["force_custom_plan", "force_generic_plan"] {
-            sqlx::query(sqlx::AssertSqlSafe(format!("SET plan_cache_mode = {mode}")))
-                .execute(&mut *conn)
-                .await
-                .unwrap();
-            let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN EXECUTE fenced({args})")))
-                .fetch_all(&mut *conn)
-                .await
-                .unwrap();
-            let plan = plan.join("\n");
+        for (mode, plan) in harness::plans(&mut conn, "fenced", &args).await {
             assert!(plan.contains("Index Scan using jobs_pkey"), "{name}, {mode}: {plan}");
             assert!(!plan.contains("jobs_lease_idx"), "{name}, {mode}: no read of the lease index: {plan}");
             assert!(!plan.contains("Seq Scan on jobs"), "{name}, {mode}: no scan of the table: {plan}");
         }
         sqlx::query("DEALLOCATE fenced").execute(&mut *conn).await.unwrap();
     }
-    sqlx::query("RESET plan_cache_mode").execute(&mut *conn).await.unwrap();
     drop(conn);
     // The rescuer still finds expired leases through the lease index.
     sqlx::query("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE lease_owner IS NOT NULL")

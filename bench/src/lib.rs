@@ -1,0 +1,3 @@
+//! What the bench shares with the suites: the history it measures on top of.
+
+pub mod history;

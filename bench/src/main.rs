@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 mod mcp;
 mod runs;
 mod sandbox;
+mod service;
 mod turns;
+mod with_history;
 
 use anyhow::{Context, bail};
 use clap::Parser;
@@ -45,6 +47,29 @@ struct Args {
     /// Deliveries sent before the measured ones (then ANALYZE); 0 measures a new database.
     #[arg(long, default_value_t = 1_000)]
     pipeline_warmup: usize,
+    /// Finished deliveries in the history the `history` part measures on top of (each
+    /// with its events, score, approval, attempt and receipt).
+    #[arg(long, default_value_t = 1_000_000)]
+    history_deliveries: i64,
+    /// Deliveries of the history still waiting in review (page 100 of the review queue
+    /// needs 5,000 at the default page size).
+    #[arg(long, default_value_t = 6_000)]
+    history_in_review: i64,
+    /// Run steps in the history.
+    #[arg(long, default_value_t = 2_000_000)]
+    history_run_steps: i64,
+    /// Finished jobs in the history.
+    #[arg(long, default_value_t = 1_000_000)]
+    history_jobs: i64,
+    /// Deliveries per second of the steady measurement, each approved by a reviewer.
+    #[arg(long, default_value_t = 50)]
+    steady_rate: u64,
+    /// Seconds the steady measurement submits for.
+    #[arg(long, default_value_t = 30)]
+    steady_seconds: u64,
+    /// How long the relay takes to answer each message in the steady measurement, ms.
+    #[arg(long, default_value_t = 10)]
+    relay_ms: u64,
     /// Where results go.
     #[arg(long, default_value = "bench/results")]
     out_dir: PathBuf,
@@ -55,9 +80,9 @@ struct Args {
     #[arg(long, default_value_t = 300)]
     sandbox_runs: usize,
     /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline, runs, turns,
-    /// sandbox, mcp), for
-    /// profiling; a partial run (of parts, modes or worker counts) prints its table but
-    /// writes no result file.
+    /// sandbox, mcp, history), for profiling; a partial run (of parts, modes or worker counts)
+    /// prints its table but writes no result file, except `--only history`, which writes
+    /// `<date>-history.json`.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Drain modes to measure (per_job, batched), for profiling one of them.
@@ -173,23 +198,6 @@ fn spawn(bin_dir: &Path, name: &str, args: &[&str], env: &[(&str, String)]) -> a
     Ok(Proc(cmd.spawn().with_context(|| format!("spawning {name}"))?))
 }
 
-/// A local SMTP sink (STARTTLS, discarding what it gets): the process, its port, its CA.
-async fn smtp_sink(args: &Args) -> anyhow::Result<(Proc, u16, PathBuf)> {
-    let dir = std::env::temp_dir().join(format!("airlock-bench-smtp-{}-{}", std::process::id(), uuid::Uuid::new_v4()));
-    let port = free_port()?;
-    let sink =
-        spawn(&args.bin_dir, "airlock-dev-smtp", &[&port.to_string(), &dir.display().to_string(), "--discard"], &[])?;
-    let ca = dir.join("ca.pem");
-    let start = Instant::now();
-    while !ca.exists() {
-        if start.elapsed() > Duration::from_secs(30) {
-            bail!("the SMTP sink did not start");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Ok((sink, port, ca))
-}
-
 /// Inserts `n` no-op jobs in batches.
 async fn fill(pool: &PgPool, n: i64) -> anyhow::Result<()> {
     let mut left = n;
@@ -244,6 +252,20 @@ const MEASURED_POLL: Duration = Duration::from_millis(250);
 /// Drains `n` pre-enqueued jobs with `workers` processes; returns (jobs/s, peak RSS MiB).
 async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_rows: i64) -> anyhow::Result<(f64, f64)> {
     let db = Db::create(args, "drain").await?;
+    let figures = drain_on(args, &db, n, workers, batched, completed_rows).await?;
+    db.drop().await?;
+    Ok(figures)
+}
+
+/// [`drain`] on `db`, which may already hold anything (a history).
+async fn drain_on(
+    args: &Args,
+    db: &Db,
+    n: i64,
+    workers: usize,
+    batched: bool,
+    completed_rows: i64,
+) -> anyhow::Result<(f64, f64)> {
     if completed_rows > 0 {
         sqlx::query(
             r#"INSERT INTO jobs (id, kind, queue, payload, state, attempt, max_attempts, finished_at, created_at)
@@ -311,7 +333,6 @@ async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_row
     for p in procs {
         p.stop();
     }
-    db.drop().await?;
     Ok((rate, rss))
 }
 
@@ -420,192 +441,11 @@ async fn ceiling(args: &Args, per_tx: i64) -> anyhow::Result<f64> {
     Ok(tps * per_tx as f64)
 }
 
-/// Sends one worker process of the pipeline runs at once.
-const PIPELINE_CONCURRENCY: usize = 128;
-
-/// The bench's setting for `key`, unless the bench's own environment sets it (for runs
-/// side by side).
-fn tuned(key: &str, default: usize) -> String {
-    std::env::var(key).unwrap_or_else(|_| default.to_string())
-}
-
-/// One repetition of the pipeline measurement.
-struct PipelineRun {
-    /// Deliveries per second.
-    rate: f64,
-    /// The journey's p50 and p99, ms.
-    p50: f64,
-    p99: f64,
-    /// The workers' peak RSS, MiB.
-    rss: f64,
-}
-
-/// Deliveries per second from POST to `sent` through real api, admin and worker processes,
-/// approved by a standing grant, sent to a local SMTP sink; the journey's p50/p99, and the
-/// workers' peak RSS.
-async fn pipeline(args: &Args) -> anyhow::Result<PipelineRun> {
-    let db = Db::create(args, "pipeline").await?;
-    let (sink, smtp_port, ca) = smtp_sink(args).await?;
-    let (api_port, admin_port) = (free_port()?, free_port()?);
-    let env = vec![
-        ("DATABASE_URL", db.url.clone()),
-        ("AIRLOCK__API__LISTEN", format!("127.0.0.1:{api_port}")),
-        ("AIRLOCK__ADMIN__LISTEN", format!("127.0.0.1:{admin_port}")),
-        ("AIRLOCK__SMTP__HOST", "127.0.0.1".into()),
-        ("AIRLOCK__SMTP__PORT", smtp_port.to_string()),
-        ("AIRLOCK__SMTP__CA_FILE", ca.display().to_string()),
-        ("AIRLOCK__DELIVERY__SENDERS", "@example.com".into()),
-        ("AIRLOCK__DELIVERY__KNOWN_DOMAINS", "example.org".into()),
-        // Sends wait on the database and the relay far more than they compute: a worker
-        // runs many at once, and its batches grow with them (see the README).
-        ("AIRLOCK__WORKER__CONCURRENCY", tuned("AIRLOCK__WORKER__CONCURRENCY", PIPELINE_CONCURRENCY)),
-        // As many SMTP connections kept open as sends run at once: a new one costs a TLS
-        // handshake on both ends.
-        ("AIRLOCK__SMTP__MAX_IDLE_CONNECTIONS", tuned("AIRLOCK__SMTP__MAX_IDLE_CONNECTIONS", PIPELINE_CONCURRENCY)),
-        ("AIRLOCK__DATABASE__MAX_CONNECTIONS", "16".into()),
-    ];
-    let api = spawn(&args.bin_dir, "airlock-api", &[], &env)?;
-    let admin = spawn(&args.bin_dir, "airlock-admin", &["serve"], &env)?;
-    let workers: Vec<Proc> =
-        (0..2).map(|_| spawn(&args.bin_dir, "airlock-worker", &[], &env)).collect::<anyhow::Result<_>>()?;
-    let token = |role: &str, name: &str| -> anyhow::Result<String> {
-        let mut cmd = Command::new(args.bin_dir.join("airlock-admin"));
-        cmd.args(["token", "create", "--role", role, "--name", name]);
-        if role == "agent" {
-            cmd.args(["--agent", "bench-agent"]);
-        }
-        let out = cmd.env("DATABASE_URL", &db.url).env("RUST_LOG", "error").output()?;
-        Ok(String::from_utf8(out.stdout)?.trim().to_string())
-    };
-    // A worker that cannot start (one without bubblewrap refuses to) fails the run here,
-    // rather than leaving it to wait for receipts that never come.
-    wait_until(&db.pool, "SELECT count(*) FROM workers WHERE stopped_at IS NULL", 2, Duration::from_secs(60))
-        .await
-        .context("the pipeline's two workers did not start (their errors are above)")?;
-    let agent = token("agent", "bench-agent")?;
-    let operator = token("operator", "bench-operator")?;
-    let http = reqwest::Client::new();
-    let api_url = format!("http://127.0.0.1:{api_port}");
-    let admin_url = format!("http://127.0.0.1:{admin_port}");
-    for _ in 0..600 {
-        if http.get(format!("{api_url}/readyz")).send().await.is_ok_and(|r| r.status().is_success())
-            && http.get(format!("{admin_url}/readyz")).send().await.is_ok_and(|r| r.status().is_success())
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let client = http.clone();
-    let post = move |url: String, token: String, body: Value| {
-        let http = client.clone();
-        async move {
-            let r = http.post(url).bearer_auth(token).json(&body).send().await?;
-            let status = r.status();
-            let v: Value = r.json().await.unwrap_or(Value::Null);
-            anyhow::ensure!(status.is_success(), "{status}: {v}");
-            anyhow::Ok(v)
-        }
-    };
-    post(
-        format!("{admin_url}/admin/v1/grants"),
-        operator.clone(),
-        json!({"channel": "email", "agent_ids": ["bench-agent"], "recipient_domains": ["example.org"], "min_score": 0.5,
-               "expires_at": (chrono::Utc::now() + chrono::Duration::hours(2)).to_rfc3339(), "max_uses": 1_000_000,
-               "reason": "benchmark"}),
-    )
-    .await?;
-    let r = http
-        .put(format!("{admin_url}/admin/v1/send-enabled"))
-        .bearer_auth(&operator)
-        .json(&json!({"enabled": true, "reason": "benchmark"}))
-        .send()
-        .await?;
-    anyhow::ensure!(r.status().is_success(), "switch: {}", r.status());
-    // Sixteen agent runs submitting at once, as a fleet of agents does (each run's budget is
-    // spent in order, so one run's submissions are serialised by design).
-    let mut runs = Vec::new();
-    for _ in 0..16 {
-        let run = post(format!("{api_url}/v1/runs"), agent.clone(), json!({"budget": {"max_steps": 0}})).await?;
-        runs.push(run["id"].as_str().context("run id")?.to_string());
-    }
-    // A warm-up first, then ANALYZE, as autovacuum has long done on a running installation:
-    // the statements a process keeps prepared were planned on the tables as they were, and
-    // plans made on empty tables read them whole (see the README).
-    let warmup = args.pipeline_warmup;
-    if warmup > 0 {
-        submit_all(&post, &agent, &api_url, &runs, "w", warmup).await?;
-        wait_until(&db.pool, "SELECT count(*) FROM receipts", warmup as i64, Duration::from_secs(1800)).await?;
-        sqlx::query("ANALYZE").execute(&db.pool).await?;
-    }
-    let n = args.deliveries;
-    let start = db_clock(&db.pool).await?;
-    submit_all(&post, &agent, &api_url, &runs, "s", n).await?;
-    // From the first POST to the last receipt, on the database's clock.
-    let (want, limit) = ((warmup + n) as i64, Duration::from_secs(1800));
-    wait_every(&db.pool, "SELECT count(*) FROM receipts", want, limit, MEASURED_POLL).await?;
-    let end: f64 =
-        sqlx::query_scalar("SELECT extract(epoch FROM max(sent_at))::float8 FROM receipts").fetch_one(&db.pool).await?;
-    let rate = n as f64 / (end - start);
-    let mut ms: Vec<f64> = sqlx::query_scalar(
-        "SELECT extract(epoch FROM r.sent_at - d.created_at)::float8 * 1000
-         FROM receipts r JOIN deliveries d ON d.id = r.delivery_id WHERE d.created_at >= to_timestamp($1)",
-    )
-    .bind(start)
-    .fetch_all(&db.pool)
-    .await?;
-    ms.sort_by(f64::total_cmp);
-    let rss = peak_rss_mib(&workers);
-    for w in workers {
-        w.stop();
-    }
-    api.stop();
-    admin.stop();
-    drop(sink);
-    if let Some(dir) = ca.parent() {
-        let _ = std::fs::remove_dir_all(dir);
-    }
-    db.drop().await?;
-    Ok(PipelineRun { rate, p50: percentile(&ms, 0.5), p99: percentile(&ms, 0.99), rss })
-}
-
-/// Submits `n` email deliveries spread over `runs`, sixteen agents at once, step ids
-/// `{prefix}{i}`.
-async fn submit_all<F, Fut>(
-    post: &F,
-    agent: &str,
-    api_url: &str,
-    runs: &[String],
-    prefix: &str,
-    n: usize,
-) -> anyhow::Result<()>
-where
-    F: Fn(String, String, Value) -> Fut + Clone + Send + 'static,
-    Fut: std::future::Future<Output = anyhow::Result<Value>> + Send,
-{
-    let mut handles = Vec::new();
-    for (c, run_id) in runs.iter().cloned().enumerate() {
-        let (post, agent, api_url, prefix, stride) =
-            (post.clone(), agent.to_string(), api_url.to_string(), prefix.to_string(), runs.len());
-        handles.push(tokio::spawn(async move {
-            let mut i = c;
-            while i < n {
-                post(
-                    format!("{api_url}/v1/deliveries"),
-                    agent.clone(),
-                    json!({"run_id": run_id, "step_id": format!("{prefix}{i}"), "channel": "email",
-                           "email": {"from": "agent@example.com", "to": ["reader@example.org"],
-                                     "subject": format!("Report {i}"), "text": "The numbers are in."}}),
-                )
-                .await?;
-                i += stride;
-            }
-            anyhow::Ok(())
-        }));
-    }
-    for h in handles {
-        h.await??;
-    }
-    Ok(())
+/// Records figure `k`. Ratios keep three decimals, cut rather than rounded, so one just
+/// under a target never shows as reaching it (0.29989 is 0.299, not 0.300).
+fn put(m: &mut serde_json::Map<String, Value>, k: &str, v: f64) {
+    let v = if k.contains("ratio") { (v * 1000.0).floor() / 1000.0 } else { (v * 100.0).round() / 100.0 };
+    m.insert(k.to_string(), json!(v));
 }
 
 fn free_port() -> anyhow::Result<u16> {
@@ -619,12 +459,6 @@ async fn main() -> anyhow::Result<()> {
     let r = args.reps.max(1);
     let mut results = serde_json::Map::new();
     let mut rss_seen: f64 = 0.0;
-    let put = |m: &mut serde_json::Map<String, Value>, k: &str, v: f64| {
-        // Ratios keep three decimals, cut rather than rounded, so one just under a target
-        // never shows as reaching it (0.29989 is 0.299, not 0.300).
-        let v = if k.contains("ratio") { (v * 1000.0).floor() / 1000.0 } else { (v * 100.0).round() / 100.0 };
-        m.insert(k.to_string(), json!(v));
-    };
 
     // The machine's speed drifts over minutes (a shared host), so the ceiling is measured
     // again next to each repetition of the drains, and each ratio is taken within its
@@ -736,7 +570,9 @@ async fn main() -> anyhow::Result<()> {
         eprintln!("end-to-end pipeline, {} deliveries", args.deliveries);
         let (mut rates, mut p50s, mut p99s, mut rss) = (Vec::new(), Vec::new(), Vec::new(), 0.0_f64);
         for _ in 0..r {
-            let run = pipeline(&args).await?;
+            let db = Db::create(&args, "pipeline").await?;
+            let run = service::pipeline(&args, &db, false).await?;
+            db.drop().await?;
             eprintln!(
                 "  {:.0} deliveries/s, journey p50 {:.0} ms, p99 {:.0} ms, worker peak RSS {:.1} MiB",
                 run.rate, run.p50, run.p99, run.rss
@@ -756,7 +592,9 @@ async fn main() -> anyhow::Result<()> {
         eprintln!("durable runs: steps recorded, {} runs at once; step latency at 200 steps/s", 16);
         let (mut rates, mut p50s, mut p99s) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..r {
-            let f = runs::runs(&args).await?;
+            let db = Db::create(&args, "runs").await?;
+            let f = runs::runs(&args, &db).await?;
+            db.drop().await?;
             eprintln!("  {:.0} steps/s; step p50 {:.2} ms, p99 {:.2} ms", f.steps_per_sec, f.p50_ms, f.p99_ms);
             rates.push(f.steps_per_sec);
             p50s.push(f.p50_ms);
@@ -837,6 +675,11 @@ async fn main() -> anyhow::Result<()> {
         put(&mut results, "get_delivery_mcp_p99_ms", med(|f| f.mcp_p99_ms));
         put(&mut results, "get_delivery_mcp_p99_ratio_to_http", med(|f| f.mcp_p99_ms / f.http_p99_ms));
     }
+    let mut history_plans = String::new();
+    if args.wants("history") {
+        history_plans = with_history::measure(&args, r, &mut results).await?;
+        println!("{history_plans}");
+    }
     put(&mut results, "worker_peak_rss_mib", rss_seen);
 
     let machine = json!({
@@ -846,7 +689,8 @@ async fn main() -> anyhow::Result<()> {
             .await?,
         "reps": r,
     });
-    let partial = !args.only.is_empty() || args.modes.len() < 2 || args.workers != [1, 2];
+    let history_only = args.only == ["history"];
+    let partial = (!args.only.is_empty() && !history_only) || args.modes.len() < 2 || args.workers != [1, 2];
     if partial {
         let mut table = String::new();
         for (k, v) in &results {
@@ -861,13 +705,17 @@ async fn main() -> anyhow::Result<()> {
     doc["date"] = json!(date);
     doc["machine"] = machine;
     std::fs::create_dir_all(&args.out_dir)?;
-    let path = args.out_dir.join(format!("{date}.json"));
+    let name = if history_only { format!("{date}-history") } else { date.clone() };
+    let path = args.out_dir.join(format!("{name}.json"));
     std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")?;
     let mut table = String::from("| figure | value |\n| --- | --- |\n");
     for (k, v) in &results {
         table.push_str(&format!("| `{k}` | {v} |\n"));
     }
-    std::fs::write(args.out_dir.join(format!("{date}.md")), &table)?;
+    if !history_plans.is_empty() {
+        table.push_str(&format!("\nWith the history loaded:\n\n```\n{history_plans}```\n"));
+    }
+    std::fs::write(args.out_dir.join(format!("{name}.md")), &table)?;
     println!("{table}");
     eprintln!("wrote {}", path.display());
     Ok(())

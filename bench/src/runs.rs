@@ -26,8 +26,7 @@ const SECONDS: u64 = 10;
 /// The steady rate of the latency figure.
 const RATE: u64 = 200;
 
-pub async fn runs(args: &Args) -> anyhow::Result<RunsFigures> {
-    let db = Db::create(args, "runs").await?;
+pub async fn runs(args: &Args, db: &Db) -> anyhow::Result<RunsFigures> {
     let port = free_port()?;
     let env = vec![
         ("DATABASE_URL", db.url.clone()),
@@ -37,7 +36,16 @@ pub async fn runs(args: &Args) -> anyhow::Result<RunsFigures> {
     ];
     let api = spawn(&args.bin_dir, "airlock-api", &[], &env)?;
     let out = Command::new(args.bin_dir.join("airlock-admin"))
-        .args(["token", "create", "--role", "agent", "--name", "bench-runs", "--agent", "bench-runs"])
+        .args([
+            "token",
+            "create",
+            "--role",
+            "agent",
+            "--name",
+            &format!("bench-runs-{}", uuid::Uuid::new_v4()),
+            "--agent",
+            "bench-runs",
+        ])
         .env("DATABASE_URL", &db.url)
         .env("RUST_LOG", "error")
         .output()?;
@@ -101,7 +109,6 @@ pub async fn runs(args: &Args) -> anyhow::Result<RunsFigures> {
     }
     ms.sort_by(f64::total_cmp);
     api.stop();
-    db.drop().await?;
     Ok(RunsFigures { steps_per_sec, p50_ms: percentile(&ms, 0.5), p99_ms: percentile(&ms, 0.99) })
 }
 

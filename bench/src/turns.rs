@@ -17,7 +17,8 @@ use axum::extract::State;
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use crate::{Args, Db, Proc, free_port, percentile, smtp_sink, spawn};
+use crate::service::smtp_sink;
+use crate::{Args, Db, Proc, free_port, percentile, spawn};
 
 /// Turns in flight at once.
 pub const AT_ONCE: usize = 32;
@@ -106,7 +107,7 @@ pub async fn turns(args: &Args) -> anyhow::Result<TurnFigures> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let model_addr = listener.local_addr()?;
     let server = tokio::spawn(async move { axum::serve(listener, app).await });
-    let (_sink, smtp_port, ca) = smtp_sink(args).await?;
+    let (_sink, smtp_port, ca) = smtp_sink(args, 0).await?;
     let port = free_port()?;
     let env = vec![
         ("DATABASE_URL", db.url.clone()),

@@ -279,22 +279,25 @@ pub struct SmtpOptions {
     pub ca: Option<Arc<TestCa>>,
     /// The fault for connections that find the fault queue empty.
     pub default_fault: Fault,
+    /// How long the server takes to answer a message's end, as a relay that queues it
+    /// durably does (zero: at once).
+    pub data_end_delay: Duration,
 }
 
 impl SmtpOptions {
     /// STARTTLS with certificates from `ca`, no default fault.
     pub fn starttls(ca: Arc<TestCa>) -> Self {
-        Self { tls: TlsMode::StartTls, ca: Some(ca), default_fault: Fault::None }
+        Self { tls: TlsMode::StartTls, ca: Some(ca), default_fault: Fault::None, data_end_delay: Duration::ZERO }
     }
 
     /// Implicit TLS with certificates from `ca`, no default fault.
     pub fn implicit(ca: Arc<TestCa>) -> Self {
-        Self { tls: TlsMode::Implicit, ca: Some(ca), default_fault: Fault::None }
+        Self { tls: TlsMode::Implicit, ca: Some(ca), default_fault: Fault::None, data_end_delay: Duration::ZERO }
     }
 
     /// No TLS, no default fault.
     pub fn plain() -> Self {
-        Self { tls: TlsMode::Plain, ca: None, default_fault: Fault::None }
+        Self { tls: TlsMode::Plain, ca: None, default_fault: Fault::None, data_end_delay: Duration::ZERO }
     }
 }
 
@@ -331,6 +334,8 @@ struct Shared {
     faults: Mutex<VecDeque<Fault>>,
     /// Fault for connections that find `faults` empty.
     default_fault: Mutex<Fault>,
+    /// See [`SmtpOptions::data_end_delay`].
+    data_end_delay: Duration,
     /// When set, connections that find `faults` empty draw from it before the default.
     random: Mutex<Option<RandomFaults>>,
     /// Faults handed to connections, by [`Fault::label`] (`none` excluded).
@@ -411,6 +416,7 @@ impl SmtpServer {
             security,
             faults: Mutex::new(VecDeque::new()),
             default_fault: Mutex::new(opts.default_fault),
+            data_end_delay: opts.data_end_delay,
             random: Mutex::new(None),
             drawn: Mutex::new(HashMap::new()),
             held,
@@ -950,6 +956,9 @@ where
                 Ok(Step::Continue)
             }
             _ => {
+                if !self.shared.data_end_delay.is_zero() {
+                    tokio::time::sleep(self.shared.data_end_delay).await;
+                }
                 self.shared.record_accepted(received);
                 let text = format!("2.0.0 Ok: queued as {}", uuid::Uuid::new_v4());
                 self.reply(250, &text).await?;
@@ -1350,7 +1359,12 @@ mod tests {
 
     #[tokio::test]
     async fn starting_tls_modes_without_a_ca_is_an_error() {
-        let opts = SmtpOptions { tls: TlsMode::StartTls, ca: None, default_fault: Fault::None };
+        let opts = SmtpOptions {
+            tls: TlsMode::StartTls,
+            ca: None,
+            default_fault: Fault::None,
+            data_end_delay: Duration::ZERO,
+        };
         assert!(SmtpServer::start(opts).await.is_err());
     }
 

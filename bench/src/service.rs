@@ -1,0 +1,458 @@
+//! The pipeline's figures, through real api, admin and worker processes on one database:
+//! its throughput (with the reviewer's reads timed beside it when the database has a
+//! history), and the latencies of a steady rate that a reviewer approves by hand.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+
+use crate::{Args, Db, MEASURED_POLL, Proc, db_clock, free_port, peak_rss_mib, percentile, spawn, wait_until};
+
+/// Sends one worker process of the pipeline runs at once.
+const PIPELINE_CONCURRENCY: usize = 128;
+
+/// Agent runs submitting at once, as a fleet of agents does (each run's budget is spent in
+/// order, so one run's submissions are serialised by design).
+const RUNS: usize = 16;
+
+/// The bench's setting for `key`, unless the bench's own environment sets it (for runs
+/// side by side).
+fn tuned(key: &str, default: usize) -> String {
+    std::env::var(key).unwrap_or_else(|_| default.to_string())
+}
+
+/// A local SMTP sink (STARTTLS, discarding what it gets, answering each message after
+/// `reply_ms`): the process, its port, its CA.
+pub async fn smtp_sink(args: &Args, reply_ms: u64) -> anyhow::Result<(Proc, u16, PathBuf)> {
+    let dir = std::env::temp_dir().join(format!("airlock-bench-smtp-{}-{}", std::process::id(), uuid::Uuid::new_v4()));
+    let port = free_port()?;
+    let sink_args =
+        [port.to_string(), dir.display().to_string(), "--discard".into(), "--reply-ms".into(), reply_ms.to_string()];
+    let sink_args: Vec<&str> = sink_args.iter().map(String::as_str).collect();
+    let sink = spawn(&args.bin_dir, "airlock-dev-smtp", &sink_args, &[])?;
+    let ca = dir.join("ca.pem");
+    let start = Instant::now();
+    while !ca.exists() {
+        if start.elapsed() > Duration::from_secs(30) {
+            bail!("the SMTP sink did not start");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok((sink, port, ca))
+}
+
+/// The whole service on one database: an SMTP sink, the api, the admin and two workers,
+/// with an agent, an operator and a reviewer token, ready to serve.
+pub struct Stack {
+    sink: Proc,
+    sink_dir: PathBuf,
+    api: Proc,
+    admin: Proc,
+    workers: Vec<Proc>,
+    http: reqwest::Client,
+    pub api_url: String,
+    pub admin_url: String,
+    pub agent_id: String,
+    pub agent: String,
+    pub operator: String,
+    pub reviewer: String,
+}
+
+impl Stack {
+    /// Starts everything on `db`, the relay answering each message after `reply_ms`.
+    pub async fn start(args: &Args, db: &Db, reply_ms: u64) -> anyhow::Result<Self> {
+        let (sink, smtp_port, ca) = smtp_sink(args, reply_ms).await?;
+        let sink_dir = ca.parent().map(PathBuf::from).unwrap_or_default();
+        let (api_port, admin_port) = (free_port()?, free_port()?);
+        let env = vec![
+            ("DATABASE_URL", db.url.clone()),
+            ("AIRLOCK__API__LISTEN", format!("127.0.0.1:{api_port}")),
+            ("AIRLOCK__ADMIN__LISTEN", format!("127.0.0.1:{admin_port}")),
+            ("AIRLOCK__SMTP__HOST", "127.0.0.1".into()),
+            ("AIRLOCK__SMTP__PORT", smtp_port.to_string()),
+            ("AIRLOCK__SMTP__CA_FILE", ca.display().to_string()),
+            ("AIRLOCK__DELIVERY__SENDERS", "@example.com".into()),
+            ("AIRLOCK__DELIVERY__KNOWN_DOMAINS", "example.org".into()),
+            // Sends wait on the database and the relay far more than they compute: a worker
+            // runs many at once, and its batches grow with them (see the README).
+            ("AIRLOCK__WORKER__CONCURRENCY", tuned("AIRLOCK__WORKER__CONCURRENCY", PIPELINE_CONCURRENCY)),
+            // As many SMTP connections kept open as sends run at once: a new one costs a TLS
+            // handshake on both ends.
+            ("AIRLOCK__SMTP__MAX_IDLE_CONNECTIONS", tuned("AIRLOCK__SMTP__MAX_IDLE_CONNECTIONS", PIPELINE_CONCURRENCY)),
+            ("AIRLOCK__DATABASE__MAX_CONNECTIONS", "16".into()),
+        ];
+        let api = spawn(&args.bin_dir, "airlock-api", &[], &env)?;
+        let admin = spawn(&args.bin_dir, "airlock-admin", &["serve"], &env)?;
+        let workers: Vec<Proc> =
+            (0..2).map(|_| spawn(&args.bin_dir, "airlock-worker", &[], &env)).collect::<anyhow::Result<_>>()?;
+        // A worker that cannot start (one without bubblewrap refuses to) fails the run here,
+        // rather than leaving it to wait for receipts that never come.
+        wait_until(&db.pool, "SELECT count(*) FROM workers WHERE stopped_at IS NULL", 2, Duration::from_secs(60))
+            .await
+            .context("the pipeline's two workers did not start (their errors are above)")?;
+        // Names of their own, so that several stacks can run on one database in turn.
+        let suffix = &uuid::Uuid::new_v4().simple().to_string()[..8];
+        let agent_id = format!("bench-agent-{suffix}");
+        let token = |role: &str| -> anyhow::Result<String> {
+            let mut cmd = Command::new(args.bin_dir.join("airlock-admin"));
+            cmd.args(["token", "create", "--role", role, "--name", &format!("bench-{role}-{suffix}")]);
+            if role == "agent" {
+                cmd.args(["--agent", &agent_id]);
+            }
+            let out = cmd.env("DATABASE_URL", &db.url).env("RUST_LOG", "error").output()?;
+            anyhow::ensure!(out.status.success(), "token create: {}", String::from_utf8_lossy(&out.stderr));
+            Ok(String::from_utf8(out.stdout)?.trim().to_string())
+        };
+        let (agent, operator, reviewer) = (token("agent")?, token("operator")?, token("reviewer")?);
+        let http = reqwest::Client::builder().no_proxy().pool_max_idle_per_host(64).build()?;
+        let api_url = format!("http://127.0.0.1:{api_port}");
+        let admin_url = format!("http://127.0.0.1:{admin_port}");
+        for _ in 0..600 {
+            if http.get(format!("{api_url}/readyz")).send().await.is_ok_and(|r| r.status().is_success())
+                && http.get(format!("{admin_url}/readyz")).send().await.is_ok_and(|r| r.status().is_success())
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let stack =
+            Self { sink, sink_dir, api, admin, workers, http, api_url, admin_url, agent_id, agent, operator, reviewer };
+        let r = stack
+            .http
+            .put(format!("{}/admin/v1/send-enabled", stack.admin_url))
+            .bearer_auth(&stack.operator)
+            .json(&json!({"enabled": true, "reason": "benchmark"}))
+            .send()
+            .await?;
+        anyhow::ensure!(r.status().is_success(), "switch: {}", r.status());
+        Ok(stack)
+    }
+
+    /// POSTs `body`; its answer, or an error saying what the service said.
+    pub async fn post(&self, url: String, token: &str, body: Value) -> anyhow::Result<Value> {
+        let r = self.http.post(url).bearer_auth(token).json(&body).send().await?;
+        let status = r.status();
+        let v: Value = r.json().await.unwrap_or(Value::Null);
+        anyhow::ensure!(status.is_success(), "{status}: {v}");
+        Ok(v)
+    }
+
+    /// GETs `url` as the reviewer; its answer and how long it took, ms.
+    pub async fn get(&self, url: &str) -> anyhow::Result<(Value, f64)> {
+        let t = Instant::now();
+        let r = self.http.get(url).bearer_auth(&self.reviewer).send().await?;
+        let status = r.status();
+        let v: Value = r.json().await.unwrap_or(Value::Null);
+        let ms = t.elapsed().as_secs_f64() * 1000.0;
+        anyhow::ensure!(status.is_success(), "{url}: {status}: {v}");
+        Ok((v, ms))
+    }
+
+    /// A standing grant approving this stack's agent's email to example.org.
+    pub async fn grant(&self) -> anyhow::Result<()> {
+        let body = json!({"channel": "email", "agent_ids": [self.agent_id], "recipient_domains": ["example.org"],
+                          "min_score": 0.5, "expires_at": (chrono::Utc::now() + chrono::Duration::hours(2)).to_rfc3339(),
+                          "max_uses": 1_000_000, "reason": "benchmark"});
+        self.post(format!("{}/admin/v1/grants", self.admin_url), &self.operator, body).await.map(|_| ())
+    }
+
+    /// Runs to submit under, unlimited.
+    pub async fn runs(&self) -> anyhow::Result<Vec<String>> {
+        let mut runs = Vec::new();
+        for _ in 0..RUNS {
+            let run = self
+                .post(format!("{}/v1/runs", self.api_url), &self.agent, json!({"budget": {"max_steps": 0}}))
+                .await?;
+            runs.push(run["id"].as_str().context("run id")?.to_string());
+        }
+        Ok(runs)
+    }
+
+    /// Submits one email delivery; its id and the POST's time, ms.
+    pub async fn submit(&self, run_id: &str, step_id: &str) -> anyhow::Result<(String, f64)> {
+        let t = Instant::now();
+        let body = json!({"run_id": run_id, "step_id": step_id, "channel": "email",
+                          "email": {"from": "agent@example.com", "to": ["reader@example.org"],
+                                    "subject": format!("Report {step_id}"), "text": "The numbers are in."}});
+        let v = self.post(format!("{}/v1/deliveries", self.api_url), &self.agent, body).await?;
+        Ok((v["id"].as_str().context("delivery id")?.to_string(), t.elapsed().as_secs_f64() * 1000.0))
+    }
+
+    /// Stops everything; the workers' peak RSS, MiB.
+    pub fn stop(self) -> f64 {
+        let rss = peak_rss_mib(&self.workers);
+        for w in self.workers {
+            w.stop();
+        }
+        self.api.stop();
+        self.admin.stop();
+        drop(self.sink);
+        let _ = std::fs::remove_dir_all(&self.sink_dir);
+        rss
+    }
+}
+
+/// Submits `n` deliveries spread over `runs`, one submitter per run at once, step ids
+/// `{prefix}{i}`; each POST's time, ms.
+async fn submit_all(stack: &Arc<Stack>, runs: &[String], prefix: &str, n: usize) -> anyhow::Result<Vec<f64>> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for (c, run_id) in runs.iter().cloned().enumerate() {
+        let (stack, prefix, stride) = (stack.clone(), prefix.to_string(), runs.len());
+        tasks.spawn(async move {
+            let mut ms = Vec::new();
+            let mut i = c;
+            while i < n {
+                ms.push(stack.submit(&run_id, &format!("{prefix}{i}")).await?.1);
+                i += stride;
+            }
+            anyhow::Ok(ms)
+        });
+    }
+    let mut all = Vec::new();
+    while let Some(r) = tasks.join_next().await {
+        all.extend(r??);
+    }
+    all.sort_by(f64::total_cmp);
+    Ok(all)
+}
+
+/// The reviewer's reads, timed: the review queue's first page, its page 100 through the
+/// cursor, and one delivery of the history.
+#[derive(Default)]
+pub struct Reads {
+    pub list_ms: Vec<f64>,
+    pub page100_ms: Vec<f64>,
+    pub get_ms: Vec<f64>,
+}
+
+impl Reads {
+    /// Reads as a reviewer does, one read every 20 ms, until `done`.
+    async fn run(stack: Arc<Stack>, ids: Vec<String>, done: Arc<AtomicBool>) -> anyhow::Result<Reads> {
+        let list = format!("{}/admin/v1/deliveries?state=in_review&limit=50", stack.admin_url);
+        // Page 100: ninety-nine pages through the cursor first.
+        let mut page100 = list.clone();
+        for _ in 0..99 {
+            let (v, _) = stack.get(&page100).await?;
+            let next = v["next"].as_str().context("the review queue has fewer than 100 pages")?;
+            page100 = format!("{list}&cursor={next}");
+        }
+        let mut reads = Reads::default();
+        let mut i = 0;
+        while !done.load(Ordering::Relaxed) {
+            let (v, ms) = stack.get(&page100).await?;
+            anyhow::ensure!(v["items"].as_array().is_some_and(|a| a.len() == 50), "page 100 is a full page: {v}");
+            reads.page100_ms.push(ms);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            reads.list_ms.push(stack.get(&list).await?.1);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let url = format!("{}/admin/v1/deliveries/{}", stack.admin_url, ids[i % ids.len()]);
+            reads.get_ms.push(stack.get(&url).await?.1);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            i += 1;
+        }
+        for v in [&mut reads.list_ms, &mut reads.page100_ms, &mut reads.get_ms] {
+            v.sort_by(f64::total_cmp);
+        }
+        Ok(reads)
+    }
+}
+
+/// Waits until `n` deliveries of `agent` are sent (read through the agent's index, so the
+/// wait costs the same on a history as without one).
+async fn wait_sent(db: &Db, agent: &str, n: usize) -> anyhow::Result<()> {
+    let start = Instant::now();
+    loop {
+        let sent: i64 = sqlx::query_scalar("SELECT count(*) FROM deliveries WHERE agent = $1 AND state = 'sent'")
+            .bind(agent)
+            .fetch_one(&db.pool)
+            .await?;
+        if sent as usize >= n {
+            return Ok(());
+        }
+        if start.elapsed() > Duration::from_secs(1800) {
+            bail!("only {sent} of {n} deliveries of {agent} were sent");
+        }
+        tokio::time::sleep(MEASURED_POLL).await;
+    }
+}
+
+/// One repetition of the pipeline's throughput.
+pub struct PipelineRun {
+    /// Deliveries per second.
+    pub rate: f64,
+    /// The journey's p50 and p99, ms.
+    pub p50: f64,
+    pub p99: f64,
+    /// Each submission's POST, ms, sorted.
+    pub submit_ms: Vec<f64>,
+    /// The workers' peak RSS, MiB.
+    pub rss: f64,
+    /// The reviewer's reads beside it, when asked for.
+    pub reads: Option<Reads>,
+}
+
+/// Deliveries per second from POST to `sent` on `db`, approved by a standing grant, sent
+/// to a local SMTP sink; the journey's p50/p99, and the workers' peak RSS. With `reads`,
+/// a reviewer reads the review queue and the history's deliveries all along.
+pub async fn pipeline(args: &Args, db: &Db, reads: bool) -> anyhow::Result<PipelineRun> {
+    let stack = Arc::new(Stack::start(args, db, 0).await?);
+    stack.grant().await?;
+    let runs = stack.runs().await?;
+    // A warm-up first, then ANALYZE, as autovacuum has long done on a running installation:
+    // the statements a process keeps prepared were planned on the tables as they were, and
+    // plans made on empty tables read them whole (see the README).
+    let warmup = args.pipeline_warmup;
+    if warmup > 0 {
+        submit_all(&stack, &runs, "w", warmup).await?;
+        wait_sent(db, &stack.agent_id, warmup).await?;
+        sqlx::query("ANALYZE").execute(&db.pool).await?;
+    }
+    let done = Arc::new(AtomicBool::new(false));
+    let reader = if reads {
+        let ids: Vec<String> = sqlx::query_scalar(
+            "SELECT id::text FROM deliveries TABLESAMPLE SYSTEM (1) WHERE state = 'sent' LIMIT 1000",
+        )
+        .fetch_all(&db.pool)
+        .await?;
+        anyhow::ensure!(!ids.is_empty(), "no history to read");
+        Some(tokio::spawn(Reads::run(stack.clone(), ids, done.clone())))
+    } else {
+        None
+    };
+    let n = args.deliveries;
+    let start = db_clock(&db.pool).await?;
+    let submit_ms = submit_all(&stack, &runs, "s", n).await?;
+    // From the first POST to the last receipt, on the database's clock.
+    wait_sent(db, &stack.agent_id, warmup + n).await?;
+    done.store(true, Ordering::Relaxed);
+    let reads = match reader {
+        Some(r) => Some(r.await??),
+        None => None,
+    };
+    let journeys: Vec<(f64, f64)> = sqlx::query_as(
+        "SELECT extract(epoch FROM r.sent_at)::float8, extract(epoch FROM r.sent_at - d.created_at)::float8 * 1000
+         FROM deliveries d JOIN receipts r ON r.delivery_id = d.id
+         WHERE d.agent = $1 AND d.created_at >= to_timestamp($2)",
+    )
+    .bind(&stack.agent_id)
+    .bind(start)
+    .fetch_all(&db.pool)
+    .await?;
+    anyhow::ensure!(journeys.len() == n, "{} of {n} measured deliveries have a receipt", journeys.len());
+    let end = journeys.iter().map(|j| j.0).fold(f64::MIN, f64::max);
+    let rate = n as f64 / (end - start);
+    let mut ms: Vec<f64> = journeys.iter().map(|j| j.1).collect();
+    ms.sort_by(f64::total_cmp);
+    let stack = Arc::into_inner(stack).context("the stack is still in use")?;
+    let rss = stack.stop();
+    Ok(PipelineRun { rate, p50: percentile(&ms, 0.5), p99: percentile(&ms, 0.99), submit_ms, rss, reads })
+}
+
+/// The latencies of a steady rate a reviewer approves by hand.
+pub struct Steady {
+    /// Each submission's POST, ms, sorted.
+    pub submit_ms: Vec<f64>,
+    /// Submission committed to scored, ms, sorted.
+    pub scored_ms: Vec<f64>,
+    /// Approve answered (HTTP 200) to receipt committed, ms, sorted.
+    pub approve_to_sent_ms: Vec<f64>,
+}
+
+/// `rate` deliveries a second for `seconds` on `db`, switch on, no grant: each waits for
+/// approval, which a reviewer gives as soon as the review list shows it (polled every
+/// 20 ms); the relay answers each message after `reply_ms`.
+pub async fn steady(args: &Args, db: &Db, rate: u64, seconds: u64, reply_ms: u64) -> anyhow::Result<Steady> {
+    let stack = Arc::new(Stack::start(args, db, reply_ms).await?);
+    let runs = stack.runs().await?;
+    let n = (rate * seconds) as usize;
+    let done = Arc::new(AtomicBool::new(false));
+    let reviewer = tokio::spawn(approve_all(stack.clone(), n, done.clone()));
+    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut posts = tokio::task::JoinSet::new();
+    let prefix = uuid::Uuid::new_v4().simple().to_string();
+    for i in 0..n {
+        tick.tick().await;
+        let (stack, run, step) = (stack.clone(), runs[i % runs.len()].clone(), format!("steady-{prefix}-{i}"));
+        posts.spawn(async move { stack.submit(&run, &step).await });
+    }
+    let (mut ids, mut submit_ms) = (Vec::new(), Vec::new());
+    while let Some(r) = posts.join_next().await {
+        let (id, ms) = r??;
+        ids.push(uuid::Uuid::parse_str(&id)?);
+        submit_ms.push(ms);
+    }
+    let approved = match tokio::time::timeout(Duration::from_secs(600), reviewer).await {
+        Ok(r) => r??,
+        Err(_) => {
+            done.store(true, Ordering::Relaxed);
+            bail!("the reviewer did not see every delivery awaiting approval in time");
+        }
+    };
+    wait_sent(db, &stack.agent_id, n).await?;
+    let sent: Vec<(uuid::Uuid, f64)> = sqlx::query_as(
+        "SELECT r.delivery_id, extract(epoch FROM r.sent_at)::float8
+         FROM unnest($1::uuid[]) AS x (id) JOIN receipts r ON r.delivery_id = x.id",
+    )
+    .bind(&ids)
+    .fetch_all(&db.pool)
+    .await?;
+    let mut approve_to_sent_ms: Vec<f64> =
+        sent.iter().map(|(id, at)| (at - approved[&id.to_string()]) * 1000.0).collect();
+    let mut scored_ms: Vec<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM e.at - d.created_at)::float8 * 1000
+         FROM unnest($1::uuid[]) AS x (id) JOIN deliveries d ON d.id = x.id
+         JOIN delivery_events e ON e.delivery_id = d.id AND e.to_state = 'scored'",
+    )
+    .bind(&ids)
+    .fetch_all(&db.pool)
+    .await?;
+    anyhow::ensure!(sent.len() == n && scored_ms.len() == n, "every steady delivery scored and sent once");
+    for v in [&mut submit_ms, &mut scored_ms, &mut approve_to_sent_ms] {
+        v.sort_by(f64::total_cmp);
+    }
+    Arc::into_inner(stack).context("the stack is still in use")?.stop();
+    Ok(Steady { submit_ms, scored_ms, approve_to_sent_ms })
+}
+
+/// The reviewer: approves every delivery of the stack's agent as soon as the list of those
+/// awaiting approval shows it, until `n` are approved; when each approve was answered,
+/// seconds since the epoch, by delivery id.
+async fn approve_all(stack: Arc<Stack>, n: usize, done: Arc<AtomicBool>) -> anyhow::Result<HashMap<String, f64>> {
+    let list = format!("{}/admin/v1/deliveries?state=awaiting_approval&limit=200", stack.admin_url);
+    let mut seen = HashSet::new();
+    let mut approvals = tokio::task::JoinSet::new();
+    let mut approved = HashMap::new();
+    while seen.len() < n && !done.load(Ordering::Relaxed) {
+        let (v, _) = stack.get(&list).await?;
+        for d in v["items"].as_array().into_iter().flatten() {
+            let id = d["id"].as_str().context("id")?.to_string();
+            if d["agent"] != stack.agent_id || !seen.insert(id.clone()) {
+                continue;
+            }
+            let (stack, sha) = (stack.clone(), d["artifact_sha256"].clone());
+            approvals.spawn(async move {
+                let url = format!("{}/admin/v1/deliveries/{id}/approve", stack.admin_url);
+                stack.post(url, &stack.reviewer, json!({"artifact_sha256": sha, "note": "read it through"})).await?;
+                let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs_f64();
+                anyhow::Ok((id, at))
+            });
+        }
+        while let Some(r) = approvals.try_join_next() {
+            let (id, at) = r??;
+            approved.insert(id, at);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    while let Some(r) = approvals.join_next().await {
+        let (id, at) = r??;
+        approved.insert(id, at);
+    }
+    Ok(approved)
+}

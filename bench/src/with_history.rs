@@ -1,0 +1,215 @@
+//! The `history` part: the figures that must not grow with an installation's history,
+//! measured on a database holding a month of it (`airlock_bench::history`) and on an
+//! empty one, in turn within each repetition, so that each ratio compares two runs minutes
+//! apart. Also what the reviewer's reads cost on top of it, the plans of the review queue's
+//! read, and how often the service read a history table whole while it was measured.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use airlock_bench::history::{self, History};
+use airlock_delivery::state::DeliveryState;
+use airlock_delivery::store::deliveries::list_statement;
+use chrono::{DateTime, Utc};
+use serde_json::{Map, Value};
+use sqlx::postgres::PgPoolOptions;
+
+use crate::{Args, Db, drain_on, median, percentile, put, runs, service};
+
+/// What one side (empty, or with the history) measured in one repetition.
+struct Side {
+    pipeline: service::PipelineRun,
+    steady: service::Steady,
+    runs: runs::RunsFigures,
+    drain: f64,
+    /// With the history: the sequential scans of each history table while the service
+    /// ran (the drain's own counting aside).
+    scans: Vec<(String, i64)>,
+}
+
+/// Jobs in the per-job drain of each side.
+const DRAIN_JOBS: i64 = 20_000;
+
+async fn side(args: &Args, db: &mut Db, with_history: bool) -> anyhow::Result<Side> {
+    let before = if with_history { seq_scans(db).await? } else { Vec::new() };
+    let pipeline = service::pipeline(args, db, with_history).await?;
+    let steady = service::steady(args, db, args.steady_rate, args.steady_seconds, args.relay_ms).await?;
+    let runs = runs::runs(args, db).await?;
+    let mut scans = Vec::new();
+    if with_history {
+        let after = seq_scans(db).await?;
+        scans = after.into_iter().zip(before).map(|((table, a), (_, b))| (table, a - b)).collect();
+    }
+    let (drain, _) = drain_on(args, db, DRAIN_JOBS, 1, false, 0).await?;
+    Ok(Side { pipeline, steady, runs, drain, scans })
+}
+
+fn p99(v: &[f64]) -> f64 {
+    percentile(v, 0.99)
+}
+
+/// Runs the part; returns the report of plans and scans printed beside the table.
+pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>) -> anyhow::Result<String> {
+    let h = History {
+        deliveries: args.history_deliveries,
+        in_review: args.history_in_review,
+        run_steps: args.history_run_steps,
+        jobs: args.history_jobs,
+    };
+    eprintln!(
+        "history: {} finished deliveries, {} in review, {} run steps, {} finished jobs",
+        h.deliveries, h.in_review, h.run_steps, h.jobs
+    );
+    let mut hist = Db::create(args, "history").await?;
+    let t = Instant::now();
+    let took = history::load(&hist.pool, h, "history").await?;
+    let load = t.elapsed().as_secs_f64();
+    let parts: Vec<String> = took.iter().map(|(what, s)| format!("{what} {s:.0} s")).collect();
+    eprintln!("  written in {load:.0} s ({})", parts.join(", "));
+    put(results, "history_load_seconds", load);
+    let bytes: i64 = sqlx::query_scalar("SELECT pg_database_size(current_database())").fetch_one(&hist.pool).await?;
+    put(results, "history_database_mib", bytes as f64 / 1048576.0);
+
+    let mut report = plans(&hist).await?;
+    let mut figures: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+    let mut scans: BTreeMap<String, i64> = BTreeMap::new();
+    for i in 0..reps {
+        // Which side goes first alternates, so a drift of the machine's speed over the
+        // repetition does not favour one side.
+        let history_first = i % 2 == 1;
+        let (mut empty, mut full) = (None, None);
+        for with in [history_first, !history_first] {
+            if with {
+                eprintln!("  repetition {}: with the history", i + 1);
+                full = Some(side(args, &mut hist, true).await?);
+            } else {
+                eprintln!("  repetition {}: on an empty database", i + 1);
+                let mut db = Db::create(args, "empty").await?;
+                empty = Some(side(args, &mut db, false).await?);
+                db.drop().await?;
+            }
+        }
+        let (e, f) = (empty.expect("measured"), full.expect("measured"));
+        for (table, n) in &f.scans {
+            *scans.entry(table.clone()).or_default() += n;
+        }
+        let reads = f.pipeline.reads.as_ref().expect("read beside the history's pipeline");
+        eprintln!(
+            "    pipeline {:.0} against {:.0} deliveries/s; approve to sent p99 {:.1} against {:.1} ms; \
+             submission p99 {:.1} against {:.1} ms; run steps {:.0} against {:.0}/s; drain {:.0} against {:.0} jobs/s; \
+             admin list p99 {:.1} ms, page 100 p99 {:.1} ms, get p99 {:.1} ms (with the history first)",
+            f.pipeline.rate,
+            e.pipeline.rate,
+            p99(&f.steady.approve_to_sent_ms),
+            p99(&e.steady.approve_to_sent_ms),
+            p99(&f.steady.submit_ms),
+            p99(&e.steady.submit_ms),
+            f.runs.steps_per_sec,
+            e.runs.steps_per_sec,
+            f.drain,
+            e.drain,
+            p99(&reads.list_ms),
+            p99(&reads.page100_ms),
+            p99(&reads.get_ms),
+        );
+        let mut add = |k: &'static str, v: f64| figures.entry(k).or_default().push(v);
+        add("pipeline_history_deliveries_per_sec", f.pipeline.rate);
+        add("pipeline_empty_deliveries_per_sec", e.pipeline.rate);
+        add("pipeline_history_ratio", f.pipeline.rate / e.pipeline.rate);
+        add("pipeline_submission_p99_history_ratio", p99(&f.pipeline.submit_ms) / p99(&e.pipeline.submit_ms));
+        add("submission_p99_ms", p99(&f.steady.submit_ms));
+        add("submission_p99_empty_ms", p99(&e.steady.submit_ms));
+        add("submission_p99_history_ratio", p99(&f.steady.submit_ms) / p99(&e.steady.submit_ms));
+        add("submission_to_scored_p99_ms", p99(&f.steady.scored_ms));
+        add("submission_to_scored_p99_empty_ms", p99(&e.steady.scored_ms));
+        add("approve_to_sent_p50_ms", percentile(&f.steady.approve_to_sent_ms, 0.5));
+        add("approve_to_sent_p99_ms", p99(&f.steady.approve_to_sent_ms));
+        add("approve_to_sent_p99_empty_ms", p99(&e.steady.approve_to_sent_ms));
+        add("approve_to_sent_p99_history_ratio", p99(&f.steady.approve_to_sent_ms) / p99(&e.steady.approve_to_sent_ms));
+        add("admin_list_p99_ms", p99(&reads.list_ms));
+        add("admin_list_page100_p99_ms", p99(&reads.page100_ms));
+        add("admin_get_p99_ms", p99(&reads.get_ms));
+        add("run_steps_per_sec_history", f.runs.steps_per_sec);
+        add("run_steps_per_sec_empty", e.runs.steps_per_sec);
+        add("run_steps_history_ratio", f.runs.steps_per_sec / e.runs.steps_per_sec);
+        add("drain_history_jobs_per_sec", f.drain);
+        add("drain_history_ratio", f.drain / e.drain);
+    }
+    for (k, v) in figures {
+        put(results, k, median(v));
+    }
+    if !results.contains_key("run_steps_per_sec") {
+        let v = results["run_steps_per_sec_empty"].as_f64().unwrap_or(f64::NAN);
+        put(results, "run_steps_per_sec", v);
+    }
+    let read_whole: Vec<String> = scans.iter().map(|(table, n)| format!("{table} {n}")).collect();
+    report.push_str(&format!(
+        "Sequential scans of the history's tables while the service ran on it ({} repetitions of the pipeline, \
+         the steady rate and the run steps): {}\n",
+        reps,
+        read_whole.join(", ")
+    ));
+    hist.drop().await?;
+    Ok(report)
+}
+
+/// The review queue's read, first page and page 100, in the generic plan a process keeps,
+/// executed on the history.
+async fn plans(db: &Db) -> anyhow::Result<String> {
+    let (at, id): (DateTime<Utc>, uuid::Uuid) = sqlx::query_as(
+        "SELECT created_at, id FROM deliveries WHERE state = 'in_review' ORDER BY created_at, id OFFSET 4949 LIMIT 1",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    let mut conn = db.pool.acquire().await?;
+    let mut out = String::new();
+    sqlx::query("SET plan_cache_mode = force_generic_plan").execute(&mut *conn).await?;
+    for (page, after) in [("first page", None), ("page 100", Some((at, id.into())))] {
+        let statement = list_statement(&[DeliveryState::InReview], after, 51);
+        let sql = statement.sql();
+        sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE list AS {}", sql.as_str()))).execute(&mut *conn).await?;
+        let args = match after {
+            None => "'in_review', 51".to_string(),
+            Some(_) => format!("'in_review', '{}', '{id}', 51", at.to_rfc3339()),
+        };
+        let plan: Vec<String> =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN (ANALYZE, BUFFERS) EXECUTE list({args})")))
+                .fetch_all(&mut *conn)
+                .await?;
+        out.push_str(&format!(
+            "GET /admin/v1/deliveries?state=in_review, {page}, generic plan:\n{}\n\n",
+            plan.join("\n")
+        ));
+        sqlx::query("DEALLOCATE list").execute(&mut *conn).await?;
+    }
+    sqlx::query("RESET plan_cache_mode").execute(&mut *conn).await?;
+    Ok(out)
+}
+
+/// Sequential scans so far of each table the history fills. The bench's own sessions are
+/// closed first and their ends awaited, so every count has been written out.
+async fn seq_scans(db: &mut Db) -> anyhow::Result<Vec<(String, i64)>> {
+    db.pool.close().await;
+    db.pool = PgPoolOptions::new().max_connections(20).connect(&db.url).await?;
+    let start = Instant::now();
+    loop {
+        let others: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        if others == 0 {
+            break;
+        }
+        anyhow::ensure!(start.elapsed() < Duration::from_secs(60), "{others} sessions did not end");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(sqlx::query_as(
+        "SELECT relname::text, coalesce(seq_scan, 0) FROM pg_stat_user_tables
+         WHERE schemaname = 'public' AND relname = ANY ($1) ORDER BY relname",
+    )
+    .bind(history::TABLES)
+    .fetch_all(&db.pool)
+    .await?)
+}

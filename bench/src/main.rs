@@ -517,10 +517,12 @@ async fn main() -> anyhow::Result<()> {
         put(&mut results, &k, median(rates));
     }
     // Medians over the repetitions of each repetition's best (any set, any worker count).
-    put(&mut results, "drain_jobs_per_sec", median(per_jobs));
-    put(&mut results, "batched_drain_jobs_per_sec", median(batcheds));
-    put(&mut results, "drain_ratio_to_ceiling", median(per_job_ratios));
-    put(&mut results, "batched_drain_ratio_to_ceiling", median(batched_ratios));
+    if args.wants("drain") {
+        put(&mut results, "drain_jobs_per_sec", median(per_jobs));
+        put(&mut results, "batched_drain_jobs_per_sec", median(batcheds));
+        put(&mut results, "drain_ratio_to_ceiling", median(per_job_ratios));
+        put(&mut results, "batched_drain_ratio_to_ceiling", median(batched_ratios));
+    }
 
     if args.wants("enqueue") {
         eprintln!("enqueue throughput");
@@ -680,7 +682,9 @@ async fn main() -> anyhow::Result<()> {
         history_plans = with_history::measure(&args, r, &mut results).await?;
         println!("{history_plans}");
     }
-    put(&mut results, "worker_peak_rss_mib", rss_seen);
+    if rss_seen > 0.0 {
+        put(&mut results, "worker_peak_rss_mib", rss_seen);
+    }
 
     let machine = json!({
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),

@@ -97,7 +97,7 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
         eprintln!(
             "    pipeline {:.0} against {:.0} deliveries/s; approve to sent p99 {:.1} against {:.1} ms; \
              submission p99 {:.1} against {:.1} ms; run steps {:.0} against {:.0}/s; drain {:.0} against {:.0} jobs/s; \
-             admin list p99 {:.1} ms, page 100 p99 {:.1} ms, get p99 {:.1} ms (with the history first)",
+             admin list p99 {:.1} ms, page 100 p99 {:.1} ms, get p99 {:.1} ms (the history's side first: {})",
             f.pipeline.rate,
             e.pipeline.rate,
             p99(&f.steady.approve_to_sent_ms),
@@ -111,6 +111,7 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
             p99(&reads.list_ms),
             p99(&reads.page100_ms),
             p99(&reads.get_ms),
+            history_first,
         );
         let mut add = |k: &'static str, v: f64| figures.entry(k).or_default().push(v);
         add("pipeline_history_deliveries_per_sec", f.pipeline.rate);

@@ -195,6 +195,12 @@ impl ClaimLoop {
                 // A notification also means the database answers again: no need to sit out
                 // the rest of a back-off.
                 _ = wake.notified(), if has_room => {
+                    // Idle, the worker has caught up with the queue: what woke it may sort
+                    // before the cursor (a send, ahead of the scoring the cursor follows),
+                    // and a claim from the cursor would leave it to the next unbounded one.
+                    if self.idle {
+                        self.ctx.cursor.rewind();
+                    }
                     self.idle = false;
                     self.poll_at = None;
                     self.woke_by_notify = true;

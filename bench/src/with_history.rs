@@ -127,7 +127,9 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
         add("approve_to_sent_p99_ms", p99(&f.steady.approve_to_sent_ms));
         add("approve_to_sent_p99_empty_ms", p99(&e.steady.approve_to_sent_ms));
         add("approve_to_sent_p99_history_ratio", p99(&f.steady.approve_to_sent_ms) / p99(&e.steady.approve_to_sent_ms));
+        add("admin_list_p50_ms", percentile(&reads.list_ms, 0.5));
         add("admin_list_p99_ms", p99(&reads.list_ms));
+        add("admin_get_p50_ms", percentile(&reads.get_ms, 0.5));
         add("admin_list_page100_p99_ms", p99(&reads.page100_ms));
         add("admin_get_p99_ms", p99(&reads.get_ms));
         add("run_steps_per_sec_history", f.runs.steps_per_sec);

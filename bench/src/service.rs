@@ -232,6 +232,21 @@ pub struct Reads {
 }
 
 impl Reads {
+    /// Starts reading, on a sample of the history's sent deliveries, until `done`.
+    async fn start(
+        stack: &Arc<Stack>,
+        db: &Db,
+        done: &Arc<AtomicBool>,
+    ) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<Reads>>> {
+        let ids: Vec<String> = sqlx::query_scalar(
+            "SELECT id::text FROM deliveries TABLESAMPLE SYSTEM (1) WHERE state = 'sent' LIMIT 1000",
+        )
+        .fetch_all(&db.pool)
+        .await?;
+        anyhow::ensure!(!ids.is_empty(), "no history to read");
+        Ok(tokio::spawn(Reads::run(stack.clone(), ids, done.clone())))
+    }
+
     /// Reads as a reviewer does, one read every 20 ms, until `done`.
     async fn run(stack: Arc<Stack>, ids: Vec<String>, done: Arc<AtomicBool>) -> anyhow::Result<Reads> {
         let list = format!("{}/admin/v1/deliveries?state=in_review&limit=50", stack.admin_url);
@@ -314,17 +329,7 @@ pub async fn pipeline(args: &Args, db: &Db, reads: bool) -> anyhow::Result<Pipel
         sqlx::query("ANALYZE").execute(&db.pool).await?;
     }
     let done = Arc::new(AtomicBool::new(false));
-    let reader = if reads {
-        let ids: Vec<String> = sqlx::query_scalar(
-            "SELECT id::text FROM deliveries TABLESAMPLE SYSTEM (1) WHERE state = 'sent' LIMIT 1000",
-        )
-        .fetch_all(&db.pool)
-        .await?;
-        anyhow::ensure!(!ids.is_empty(), "no history to read");
-        Some(tokio::spawn(Reads::run(stack.clone(), ids, done.clone())))
-    } else {
-        None
-    };
+    let reader = if reads { Some(Reads::start(&stack, db, &done).await?) } else { None };
     let n = args.deliveries;
     let start = db_clock(&db.pool).await?;
     let submit_ms = submit_all(&stack, &runs, "s", n).await?;
@@ -362,16 +367,26 @@ pub struct Steady {
     pub scored_ms: Vec<f64>,
     /// Approve answered (HTTP 200) to receipt committed, ms, sorted.
     pub approve_to_sent_ms: Vec<f64>,
+    /// The reviewer's reads beside it, when asked for.
+    pub reads: Option<Reads>,
 }
 
 /// `rate` deliveries a second for `seconds` on `db`, switch on, no grant: each waits for
 /// approval, which a reviewer gives as soon as the review list shows it (polled every
-/// 20 ms); the relay answers each message after `reply_ms`.
-pub async fn steady(args: &Args, db: &Db, rate: u64, seconds: u64, reply_ms: u64) -> anyhow::Result<Steady> {
+/// 20 ms); the relay answers each message after `reply_ms`. With `reads`, another
+/// reviewer reads the review queue and the history's deliveries all along.
+pub async fn steady(
+    args: &Args,
+    db: &Db,
+    (rate, seconds, reply_ms): (u64, u64, u64),
+    reads: bool,
+) -> anyhow::Result<Steady> {
     let stack = Arc::new(Stack::start(args, db, reply_ms).await?);
     let runs = stack.runs().await?;
     let n = (rate * seconds) as usize;
     let done = Arc::new(AtomicBool::new(false));
+    let reads_done = Arc::new(AtomicBool::new(false));
+    let reader = if reads { Some(Reads::start(&stack, db, &reads_done).await?) } else { None };
     let reviewer = tokio::spawn(approve_all(stack.clone(), n, done.clone()));
     let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
@@ -396,6 +411,11 @@ pub async fn steady(args: &Args, db: &Db, rate: u64, seconds: u64, reply_ms: u64
         }
     };
     wait_sent(db, &stack.agent_id, n).await?;
+    reads_done.store(true, Ordering::Relaxed);
+    let reads = match reader {
+        Some(r) => Some(r.await??),
+        None => None,
+    };
     let sent: Vec<(uuid::Uuid, f64)> = sqlx::query_as(
         "SELECT r.delivery_id, extract(epoch FROM r.sent_at)::float8
          FROM unnest($1::uuid[]) AS x (id) JOIN receipts r ON r.delivery_id = x.id",
@@ -418,7 +438,7 @@ pub async fn steady(args: &Args, db: &Db, rate: u64, seconds: u64, reply_ms: u64
         v.sort_by(f64::total_cmp);
     }
     Arc::into_inner(stack).context("the stack is still in use")?.stop();
-    Ok(Steady { submit_ms, scored_ms, approve_to_sent_ms })
+    Ok(Steady { submit_ms, scored_ms, approve_to_sent_ms, reads })
 }
 
 /// The reviewer: approves every delivery of the stack's agent as soon as the list of those

@@ -33,7 +33,8 @@ const DRAIN_JOBS: i64 = 20_000;
 async fn side(args: &Args, db: &mut Db, with_history: bool) -> anyhow::Result<Side> {
     let before = if with_history { seq_scans(db).await? } else { Vec::new() };
     let pipeline = service::pipeline(args, db, with_history).await?;
-    let steady = service::steady(args, db, args.steady_rate, args.steady_seconds, args.relay_ms).await?;
+    let rate = (args.steady_rate, args.steady_seconds, args.relay_ms);
+    let steady = service::steady(args, db, rate, with_history).await?;
     let runs = runs::runs(args, db).await?;
     let mut scans = Vec::new();
     if with_history {
@@ -97,7 +98,8 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
         eprintln!(
             "    pipeline {:.0} against {:.0} deliveries/s; approve to sent p99 {:.1} against {:.1} ms; \
              submission p99 {:.1} against {:.1} ms; run steps {:.0} against {:.0}/s; drain {:.0} against {:.0} jobs/s; \
-             admin list p99 {:.1} ms, page 100 p99 {:.1} ms, get p99 {:.1} ms (the history's side first: {})",
+             admin list p99 {:.1} ms, page 100 p99 {:.1} ms, get p99 {:.1} ms under the pipeline, \
+             {:.1}, {:.1}, {:.1} ms beside the steady rate (the history's side first: {})",
             f.pipeline.rate,
             e.pipeline.rate,
             p99(&f.steady.approve_to_sent_ms),
@@ -111,6 +113,9 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
             p99(&reads.list_ms),
             p99(&reads.page100_ms),
             p99(&reads.get_ms),
+            f.steady.reads.as_ref().map_or(f64::NAN, |r| p99(&r.list_ms)),
+            f.steady.reads.as_ref().map_or(f64::NAN, |r| p99(&r.page100_ms)),
+            f.steady.reads.as_ref().map_or(f64::NAN, |r| p99(&r.get_ms)),
             history_first,
         );
         let mut add = |k: &'static str, v: f64| figures.entry(k).or_default().push(v);
@@ -132,6 +137,10 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
         add("admin_get_p50_ms", percentile(&reads.get_ms, 0.5));
         add("admin_list_page100_p99_ms", p99(&reads.page100_ms));
         add("admin_get_p99_ms", p99(&reads.get_ms));
+        let at50 = f.steady.reads.as_ref().expect("read beside the history's steady rate");
+        add("admin_list_at_steady_p99_ms", p99(&at50.list_ms));
+        add("admin_list_page100_at_steady_p99_ms", p99(&at50.page100_ms));
+        add("admin_get_at_steady_p99_ms", p99(&at50.get_ms));
         add("run_steps_per_sec_history", f.runs.steps_per_sec);
         add("run_steps_per_sec_empty", e.runs.steps_per_sec);
         add("run_steps_history_ratio", f.runs.steps_per_sec / e.runs.steps_per_sec);

@@ -266,6 +266,18 @@ pub async fn load(pool: &PgPool, h: History, tag: &str) -> anyhow::Result<Vec<(&
     Ok(took)
 }
 
+/// The sequential scans each table the history fills has had, as far as the statistics
+/// have been written out (a session writes its counts out at the latest when it ends).
+pub async fn seq_scans(pool: &PgPool) -> Result<Vec<(String, i64)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT relname::text, coalesce(seq_scan, 0) FROM pg_stat_user_tables
+         WHERE schemaname = 'public' AND relname = ANY ($1) ORDER BY relname",
+    )
+    .bind(TABLES)
+    .fetch_all(pool)
+    .await
+}
+
 /// The tables the history fills.
 pub const TABLES: &[&str] = &[
     "runs",

@@ -14,6 +14,7 @@ mod service;
 mod turns;
 mod with_history;
 
+use airlock_bench::history::History;
 use anyhow::{Context, bail};
 use clap::Parser;
 use serde_json::{Value, json};
@@ -49,17 +50,17 @@ struct Args {
     pipeline_warmup: usize,
     /// Finished deliveries in the history the `history` part measures on top of (each
     /// with its events, score, approval, attempt and receipt).
-    #[arg(long, default_value_t = 1_000_000)]
+    #[arg(long, default_value_t = History::MONTH.deliveries)]
     history_deliveries: i64,
     /// Deliveries of the history still waiting in review (page 100 of the review queue
     /// needs 5,000 at the default page size).
-    #[arg(long, default_value_t = 6_000)]
+    #[arg(long, default_value_t = History::MONTH.in_review)]
     history_in_review: i64,
     /// Run steps in the history.
-    #[arg(long, default_value_t = 2_000_000)]
+    #[arg(long, default_value_t = History::MONTH.run_steps)]
     history_run_steps: i64,
     /// Finished jobs in the history.
-    #[arg(long, default_value_t = 1_000_000)]
+    #[arg(long, default_value_t = History::MONTH.jobs)]
     history_jobs: i64,
     /// Deliveries per second of the steady measurement, each approved by a reviewer.
     #[arg(long, default_value_t = 50)]
@@ -252,20 +253,6 @@ const MEASURED_POLL: Duration = Duration::from_millis(250);
 /// Drains `n` pre-enqueued jobs with `workers` processes; returns (jobs/s, peak RSS MiB).
 async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_rows: i64) -> anyhow::Result<(f64, f64)> {
     let db = Db::create(args, "drain").await?;
-    let figures = drain_on(args, &db, n, workers, batched, completed_rows).await?;
-    db.drop().await?;
-    Ok(figures)
-}
-
-/// [`drain`] on `db`, which may already hold anything (a history).
-async fn drain_on(
-    args: &Args,
-    db: &Db,
-    n: i64,
-    workers: usize,
-    batched: bool,
-    completed_rows: i64,
-) -> anyhow::Result<(f64, f64)> {
     if completed_rows > 0 {
         sqlx::query(
             r#"INSERT INTO jobs (id, kind, queue, payload, state, attempt, max_attempts, finished_at, created_at)
@@ -282,6 +269,13 @@ async fn drain_on(
         // whole page to the WAL, so one just before any drain would bill it for its set-up.
         sqlx::query("CHECKPOINT").execute(&db.pool).await?;
     }
+    let figures = drain_on(args, &db, n, workers, batched).await?;
+    db.drop().await?;
+    Ok(figures)
+}
+
+/// [`drain`] on `db`, which may already hold anything (a history).
+async fn drain_on(args: &Args, db: &Db, n: i64, workers: usize, batched: bool) -> anyhow::Result<(f64, f64)> {
     fill(&db.pool, n).await?;
     sqlx::query("ANALYZE jobs").execute(&db.pool).await?;
     airlock_queue::pause_queue(&db.pool, "bench", "bench start").await?;

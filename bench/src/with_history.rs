@@ -41,7 +41,7 @@ async fn side(args: &Args, db: &mut Db, with_history: bool) -> anyhow::Result<Si
         let after = seq_scans(db).await?;
         scans = after.into_iter().zip(before).map(|((table, a), (_, b))| (table, a - b)).collect();
     }
-    let (drain, _) = drain_on(args, db, DRAIN_JOBS, 1, false, 0).await?;
+    let (drain, _) = drain_on(args, db, DRAIN_JOBS, 1, false).await?;
     Ok(Side { pipeline, steady, runs, drain, scans })
 }
 
@@ -217,11 +217,5 @@ async fn seq_scans(db: &mut Db) -> anyhow::Result<Vec<(String, i64)>> {
         anyhow::ensure!(start.elapsed() < Duration::from_secs(60), "{others} sessions did not end");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    Ok(sqlx::query_as(
-        "SELECT relname::text, coalesce(seq_scan, 0) FROM pg_stat_user_tables
-         WHERE schemaname = 'public' AND relname = ANY ($1) ORDER BY relname",
-    )
-    .bind(history::TABLES)
-    .fetch_all(&db.pool)
-    .await?)
+    Ok(history::seq_scans(&db.pool).await?)
 }

@@ -104,14 +104,7 @@ async fn seq_scans(db: &PgPool) -> Vec<(String, i64)> {
         (others == 0).then_some(())
     })
     .await;
-    sqlx::query_as(
-        "SELECT relname::text, coalesce(seq_scan, 0) FROM pg_stat_user_tables
-         WHERE schemaname = 'public' AND relname = ANY ($1) ORDER BY relname",
-    )
-    .bind(history::TABLES)
-    .fetch_all(db)
-    .await
-    .unwrap()
+    history::seq_scans(db).await.unwrap()
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]

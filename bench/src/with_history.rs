@@ -1,11 +1,15 @@
 //! The `history` part: the figures that must not grow with an installation's history,
 //! measured on a database holding a month of it (`airlock_bench::history`) and on an
 //! empty one, in turn within each repetition, so that each ratio compares two runs minutes
-//! apart. Also what the reviewer's reads cost on top of it, the plans of the review queue's
-//! read, and how often the service read a history table whole while it was measured.
+//! apart, with no reader beside either. Then, on the history alone and in runs of their
+//! own, what a reviewer's reads take under the pipeline's load and beside the steady rate;
+//! the plans of the review queue's read; and how often the service read a history table
+//! whole while it was measured.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+
+use anyhow::Context;
 
 use airlock_bench::history::{self, History};
 use airlock_delivery::state::DeliveryState;
@@ -22,6 +26,9 @@ struct Side {
     steady: service::Steady,
     runs: runs::RunsFigures,
     drain: f64,
+    /// With the history: the reviewer's reads, under the pipeline's load and beside the
+    /// steady rate, each measured in a run of its own after the ones the ratios compare.
+    reads: Option<(service::Reads, service::Reads)>,
     /// With the history: the sequential scans of each history table while the service
     /// ran (the drain's own counting aside).
     scans: Vec<(String, i64)>,
@@ -32,17 +39,24 @@ const DRAIN_JOBS: i64 = 20_000;
 
 async fn side(args: &Args, db: &mut Db, with_history: bool) -> anyhow::Result<Side> {
     let before = if with_history { seq_scans(db).await? } else { Vec::new() };
-    let pipeline = service::pipeline(args, db, with_history).await?;
+    // The figures the ratios compare run alike on both sides: no reader beside them.
+    let pipeline = service::pipeline(args, db, false).await?;
     let rate = (args.steady_rate, args.steady_seconds, args.relay_ms);
-    let steady = service::steady(args, db, rate, with_history).await?;
+    let steady = service::steady(args, db, rate, false).await?;
     let runs = runs::runs(args, db).await?;
+    let mut reads = None;
+    if with_history {
+        let under_pipeline = service::pipeline(args, db, true).await?.reads.context("read beside the pipeline")?;
+        let at_steady = service::steady(args, db, rate, true).await?.reads.context("read beside the steady rate")?;
+        reads = Some((under_pipeline, at_steady));
+    }
     let mut scans = Vec::new();
     if with_history {
         let after = seq_scans(db).await?;
         scans = after.into_iter().zip(before).map(|((table, a), (_, b))| (table, a - b)).collect();
     }
     let (drain, _) = drain_on(args, db, DRAIN_JOBS, 1, false).await?;
-    Ok(Side { pipeline, steady, runs, drain, scans })
+    Ok(Side { pipeline, steady, runs, drain, reads, scans })
 }
 
 fn p99(v: &[f64]) -> f64 {
@@ -94,7 +108,7 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
         for (table, n) in &f.scans {
             *scans.entry(table.clone()).or_default() += n;
         }
-        let reads = f.pipeline.reads.as_ref().expect("read beside the history's pipeline");
+        let (reads, at50) = f.reads.as_ref().expect("read on the history's side");
         eprintln!(
             "    pipeline {:.0} against {:.0} deliveries/s; approve to sent p99 {:.1} against {:.1} ms; \
              submission p99 {:.1} against {:.1} ms; run steps {:.0} against {:.0}/s; drain {:.0} against {:.0} jobs/s; \
@@ -113,9 +127,9 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
             p99(&reads.list_ms),
             p99(&reads.page100_ms),
             p99(&reads.get_ms),
-            f.steady.reads.as_ref().map_or(f64::NAN, |r| p99(&r.list_ms)),
-            f.steady.reads.as_ref().map_or(f64::NAN, |r| p99(&r.page100_ms)),
-            f.steady.reads.as_ref().map_or(f64::NAN, |r| p99(&r.get_ms)),
+            p99(&at50.list_ms),
+            p99(&at50.page100_ms),
+            p99(&at50.get_ms),
             history_first,
         );
         let mut add = |k: &'static str, v: f64| figures.entry(k).or_default().push(v);
@@ -137,7 +151,6 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
         add("admin_get_p50_ms", percentile(&reads.get_ms, 0.5));
         add("admin_list_page100_p99_ms", p99(&reads.page100_ms));
         add("admin_get_p99_ms", p99(&reads.get_ms));
-        let at50 = f.steady.reads.as_ref().expect("read beside the history's steady rate");
         add("admin_list_at_steady_p99_ms", p99(&at50.list_ms));
         add("admin_list_page100_at_steady_p99_ms", p99(&at50.page100_ms));
         add("admin_get_at_steady_p99_ms", p99(&at50.get_ms));
@@ -157,7 +170,7 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
     let read_whole: Vec<String> = scans.iter().map(|(table, n)| format!("{table} {n}")).collect();
     report.push_str(&format!(
         "Sequential scans of the history's tables while the service ran on it ({} repetitions of the pipeline, \
-         the steady rate and the run steps): {}\n",
+         the steady rate, the run steps and the reviewer's reads): {}\n",
         reps,
         read_whole.join(", ")
     ));

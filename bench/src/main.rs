@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod fresh;
 mod mcp;
 mod runs;
 mod sandbox;
@@ -62,6 +63,15 @@ struct Args {
     /// Finished jobs in the history.
     #[arg(long, default_value_t = History::MONTH.jobs)]
     history_jobs: i64,
+    /// Jobs the `fresh` part keeps waiting while its workers drain them.
+    #[arg(long, default_value_t = 4_000)]
+    fresh_backlog: i64,
+    /// Worker processes of the `fresh` part's drain (16 handlers each).
+    #[arg(long, default_value_t = 2)]
+    fresh_workers: usize,
+    /// Seconds the `fresh` part's backlog is kept standing, on each database.
+    #[arg(long, default_value_t = 90)]
+    fresh_seconds: u64,
     /// Deliveries per second of the steady measurement, each approved by a reviewer.
     #[arg(long, default_value_t = 50)]
     steady_rate: u64,
@@ -81,9 +91,9 @@ struct Args {
     #[arg(long, default_value_t = 300)]
     sandbox_runs: usize,
     /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline, runs, turns,
-    /// sandbox, mcp, history), for profiling; a partial run (of parts, modes or worker counts)
-    /// prints its table but writes no result file, except `--only history`, which writes
-    /// `<date>-history.json`.
+    /// sandbox, mcp, history, fresh), for profiling; a partial run (of parts, modes or worker
+    /// counts) prints its table but writes no result file, except `--only history` and
+    /// `--only fresh`, which write `<date>-history.json` and `<date>-fresh.json`.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Drain modes to measure (per_job, batched), for profiling one of them.
@@ -676,6 +686,9 @@ async fn main() -> anyhow::Result<()> {
         history_plans = with_history::measure(&args, r, &mut results).await?;
         println!("{history_plans}");
     }
+    if args.wants("fresh") {
+        fresh::measure(&args, r, &mut results).await?;
+    }
     if rss_seen > 0.0 {
         put(&mut results, "worker_peak_rss_mib", rss_seen);
     }
@@ -687,8 +700,12 @@ async fn main() -> anyhow::Result<()> {
             .await?,
         "reps": r,
     });
-    let history_only = args.only == ["history"];
-    let partial = (!args.only.is_empty() && !history_only) || args.modes.len() < 2 || args.workers != [1, 2];
+    // One of the parts that keep a result file of their own.
+    let own_file = match args.only.as_slice() {
+        [part] if part == "history" || part == "fresh" => Some(part.as_str()),
+        _ => None,
+    };
+    let partial = (!args.only.is_empty() && own_file.is_none()) || args.modes.len() < 2 || args.workers != [1, 2];
     if partial {
         let mut table = String::new();
         for (k, v) in &results {
@@ -703,7 +720,7 @@ async fn main() -> anyhow::Result<()> {
     doc["date"] = json!(date);
     doc["machine"] = machine;
     std::fs::create_dir_all(&args.out_dir)?;
-    let name = if history_only { format!("{date}-history") } else { date.clone() };
+    let name = own_file.map_or(date.clone(), |part| format!("{date}-{part}"));
     let path = args.out_dir.join(format!("{name}.json"));
     std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")?;
     let mut table = String::from("| figure | value |\n| --- | --- |\n");

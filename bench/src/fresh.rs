@@ -23,7 +23,8 @@ pub struct Standing {
 
 /// Keeps `args.fresh_backlog` jobs available on `db` for `args.fresh_seconds` while
 /// `args.fresh_workers` worker processes (16 handlers each, claiming one job at a time)
-/// drain them; checks that every job enqueued was completed once.
+/// drain them (after `ANALYZE jobs` with `args.fresh_analyze`, which tells the table's
+/// statistics apart from the rest); checks that every job enqueued was completed once.
 async fn standing(args: &Args, db: &Db) -> anyhow::Result<Standing> {
     let env = vec![
         ("DATABASE_URL", db.url.clone()),
@@ -38,6 +39,9 @@ async fn standing(args: &Args, db: &Db) -> anyhow::Result<Standing> {
     let before = count(&db.pool, "SELECT count(*) FROM jobs WHERE state = 'completed'").await?;
     let backlog = args.fresh_backlog;
     fill(&db.pool, backlog).await?;
+    if args.fresh_analyze {
+        sqlx::query("ANALYZE jobs").execute(&db.pool).await?;
+    }
     let procs: Vec<Proc> = (0..args.fresh_workers)
         .map(|_| spawn(&args.bin_dir, "airlock-worker", &[], &env))
         .collect::<anyhow::Result<_>>()?;

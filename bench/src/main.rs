@@ -72,6 +72,9 @@ struct Args {
     /// Seconds the `fresh` part's backlog is kept standing, on each database.
     #[arg(long, default_value_t = 90)]
     fresh_seconds: u64,
+    /// Analyze `jobs` once the `fresh` part's backlog is in, before its drain starts.
+    #[arg(long)]
+    fresh_analyze: bool,
     /// Deliveries per second of the steady measurement, each approved by a reviewer.
     #[arg(long, default_value_t = 50)]
     steady_rate: u64,

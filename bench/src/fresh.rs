@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-use crate::{Args, Db, Proc, count, db_clock, fill, median, put, service, spawn, wait_until};
+use crate::{Args, DRAINED, Db, Proc, count, db_clock, drain_env, fill, median, put, service, spawn, wait_until};
 
 /// Seconds of each window the drain's rate is reported over.
 const WINDOW: f64 = 10.0;
@@ -26,16 +26,7 @@ pub struct Standing {
 /// drain them (after `ANALYZE jobs` with `args.fresh_analyze`, which tells the table's
 /// statistics apart from the rest); checks that every job enqueued was completed once.
 async fn standing(args: &Args, db: &Db) -> anyhow::Result<Standing> {
-    let env = vec![
-        ("DATABASE_URL", db.url.clone()),
-        ("AIRLOCK__WORKER__DIAGNOSTIC_JOBS", "true".into()),
-        ("AIRLOCK__WORKER__CONCURRENCY", "16".into()),
-        ("AIRLOCK__WORKER__CLAIM_BATCH", "1".into()),
-        ("AIRLOCK__WORKER__COMPLETE_BATCH", "1".into()),
-        ("AIRLOCK__WORKER__QUEUES", "bench".into()),
-        ("AIRLOCK__RETENTION__COMPLETED_JOBS_HOURS", "0".into()),
-        ("AIRLOCK__DATABASE__MAX_CONNECTIONS", "16".into()),
-    ];
+    let env = drain_env(db, 16, 1);
     let before = count(&db.pool, "SELECT count(*) FROM jobs WHERE state = 'completed'").await?;
     let backlog = args.fresh_backlog;
     fill(&db.pool, backlog).await?;
@@ -92,14 +83,7 @@ async fn standing(args: &Args, db: &Db) -> anyhow::Result<Standing> {
     .fetch_all(&db.pool)
     .await?;
     // Then the rest of the backlog, and the check that nothing was lost or run twice.
-    wait_until(
-        &db.pool,
-        "SELECT CASE WHEN EXISTS (SELECT 1 FROM jobs WHERE state = 'available')
-                       OR EXISTS (SELECT 1 FROM jobs WHERE lease_owner IS NOT NULL) THEN 0 ELSE 1 END::bigint",
-        1,
-        Duration::from_secs(600),
-    )
-    .await?;
+    wait_until(&db.pool, DRAINED, 1, Duration::from_secs(600)).await?;
     let (after, twice): (i64, i64) = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE state = 'completed'), count(*) FILTER (WHERE attempt > 1) FROM jobs",
     )

@@ -287,22 +287,32 @@ async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_row
     Ok(figures)
 }
 
+/// The environment of a worker process draining the bench's no-op jobs on `db`:
+/// `concurrency` handlers, `batch` jobs per claim and per completion, completed jobs kept.
+fn drain_env(db: &Db, concurrency: usize, batch: usize) -> Vec<(&'static str, String)> {
+    vec![
+        ("DATABASE_URL", db.url.clone()),
+        ("AIRLOCK__WORKER__DIAGNOSTIC_JOBS", "true".into()),
+        ("AIRLOCK__WORKER__CONCURRENCY", concurrency.to_string()),
+        ("AIRLOCK__WORKER__CLAIM_BATCH", batch.to_string()),
+        ("AIRLOCK__WORKER__COMPLETE_BATCH", batch.to_string()),
+        ("AIRLOCK__WORKER__QUEUES", "bench".into()),
+        ("AIRLOCK__RETENTION__COMPLETED_JOBS_HOURS", "0".into()),
+        ("AIRLOCK__DATABASE__MAX_CONNECTIONS", "16".into()),
+    ]
+}
+
+/// 1 once nothing is left to claim and nothing is held, read through the partial indexes
+/// (a count of completed rows would scan the growing table).
+const DRAINED: &str = "SELECT CASE WHEN EXISTS (SELECT 1 FROM jobs WHERE state = 'available')
+                              OR EXISTS (SELECT 1 FROM jobs WHERE lease_owner IS NOT NULL) THEN 0 ELSE 1 END::bigint";
+
 /// [`drain`] on `db`, which may already hold anything (a history).
 async fn drain_on(args: &Args, db: &Db, n: i64, workers: usize, batched: bool) -> anyhow::Result<(f64, f64)> {
     fill(&db.pool, n).await?;
     sqlx::query("ANALYZE jobs").execute(&db.pool).await?;
     airlock_queue::pause_queue(&db.pool, "bench", "bench start").await?;
-    let (claim, complete) = if batched { ("100", "100") } else { ("1", "1") };
-    let env = vec![
-        ("DATABASE_URL", db.url.clone()),
-        ("AIRLOCK__WORKER__DIAGNOSTIC_JOBS", "true".into()),
-        ("AIRLOCK__WORKER__CONCURRENCY", "10".into()),
-        ("AIRLOCK__WORKER__CLAIM_BATCH", claim.into()),
-        ("AIRLOCK__WORKER__COMPLETE_BATCH", complete.into()),
-        ("AIRLOCK__WORKER__QUEUES", "bench".into()),
-        ("AIRLOCK__RETENTION__COMPLETED_JOBS_HOURS", "0".into()),
-        ("AIRLOCK__DATABASE__MAX_CONNECTIONS", "16".into()),
-    ];
+    let env = drain_env(db, 10, if batched { 100 } else { 1 });
     let procs: Vec<Proc> =
         (0..workers).map(|_| spawn(&args.bin_dir, "airlock-worker", &[], &env)).collect::<anyhow::Result<_>>()?;
     wait_until(
@@ -318,15 +328,7 @@ async fn drain_on(args: &Args, db: &Db, n: i64, workers: usize, batched: bool) -
     // Poll what is left through the partial indexes (a count of completed rows would scan
     // the growing table and slow the very drain it measures), then check nothing was lost.
     // The drain ends when its last job was completed, on the database's clock.
-    wait_every(
-        &db.pool,
-        "SELECT CASE WHEN EXISTS (SELECT 1 FROM jobs WHERE state = 'available')
-                       OR EXISTS (SELECT 1 FROM jobs WHERE lease_owner IS NOT NULL) THEN 0 ELSE 1 END::bigint",
-        1,
-        Duration::from_secs(1800),
-        MEASURED_POLL,
-    )
-    .await?;
+    wait_every(&db.pool, DRAINED, 1, Duration::from_secs(1800), MEASURED_POLL).await?;
     let (after, end): (i64, f64) = sqlx::query_as(
         "SELECT count(*), extract(epoch FROM max(finished_at))::float8 FROM jobs WHERE state = 'completed'",
     )

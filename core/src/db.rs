@@ -67,6 +67,14 @@ pub async fn grant_application(pool: &PgPool) -> Result<(), sqlx::Error> {
     tx.commit().await
 }
 
+/// Analyzes each table of the schema that was never analyzed and has had at least
+/// `min_changes` rows written since (`migrations/0025_first_statistics.sql`, which the
+/// application role may call); returns the tables it analyzed. Empty while another caller
+/// is at it.
+pub async fn first_analyze(pool: &PgPool, min_changes: i64) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT t::text FROM airlock_first_analyze($1) t").bind(min_changes).fetch_all(pool).await
+}
+
 /// Whether an embedded migration is not applied yet (any, not only the newest: versions
 /// may be applied out of order when a lower one arrives later).
 async fn pending(pool: &PgPool) -> Result<bool, sqlx::Error> {

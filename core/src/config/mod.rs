@@ -358,6 +358,11 @@ pub struct WorkerConfig {
     pub rescue_interval_seconds: u64,
     /// Seconds between worker-row heartbeats.
     pub heartbeat_seconds: u64,
+    /// A table never analyzed is analyzed by a worker once this many of its rows have been
+    /// written, rather than when autovacuum first gets to it; 0 leaves it to autovacuum.
+    pub first_analyze_rows: i64,
+    /// How often a worker looks for such tables (a read of the table statistics).
+    pub first_analyze_interval_ms: u64,
     /// Registers the `diag.*` job kinds used to check a fleet end to end.
     pub diagnostic_jobs: bool,
     /// Where the worker serves `/healthz`, `/readyz` and `/metrics`; unset serves nothing.
@@ -382,6 +387,8 @@ impl Default for WorkerConfig {
             shutdown_grace_seconds: 20,
             rescue_interval_seconds: 5,
             heartbeat_seconds: 5,
+            first_analyze_rows: 1000,
+            first_analyze_interval_ms: 2000,
             diagnostic_jobs: false,
             metrics_listen: None,
             node_id: None,
@@ -541,6 +548,12 @@ impl Config {
         }
         if self.worker.poll_interval_ms == 0 {
             return Err(invalid("worker.poll_interval_ms", "must be positive"));
+        }
+        if self.worker.first_analyze_rows < 0 {
+            return Err(invalid("worker.first_analyze_rows", "must be 0 (autovacuum only) or positive"));
+        }
+        if self.worker.first_analyze_interval_ms < 100 {
+            return Err(invalid("worker.first_analyze_interval_ms", "must be at least 100"));
         }
         if !(0.0..=1.0).contains(&self.scoring.review_threshold) {
             return Err(invalid("scoring.review_threshold", "must be between 0 and 1"));

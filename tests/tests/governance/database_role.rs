@@ -66,6 +66,23 @@ async fn run_as_application(owner: PgPool, role: String) {
         worker.await.unwrap().unwrap();
     }
 
+    // It may give the tables the pipeline wrote their first statistics (the function runs
+    // as their owner), and that function is the application role's, not everyone's.
+    // (Its writes reach the table statistics within seconds: asked until they have.)
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut analyzed = Vec::new();
+    while !analyzed.iter().any(|t| t == "deliveries") {
+        assert!(tokio::time::Instant::now() < deadline, "deliveries never analyzed; analyzed {analyzed:?}");
+        analyzed.extend(airlock_core::db::first_analyze(&app_pool, 1).await.unwrap());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let public: bool =
+        sqlx::query_scalar("SELECT has_function_privilege('public', 'airlock_first_analyze(bigint)', 'EXECUTE')")
+            .fetch_one(&owner)
+            .await
+            .unwrap();
+    assert!(!public, "anyone may run the owner's ANALYZE");
+
     // Every append-only log has rows now, or at least a table to try on.
     let logs: Vec<String> = sqlx::query_scalar("SELECT t::text FROM airlock_append_only_tables() t ORDER BY 1")
         .fetch_all(&owner)

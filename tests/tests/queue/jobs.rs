@@ -653,7 +653,7 @@ async fn check_constraints_hold_the_invariants(pool: PgPool) {
 /// Keeps a shared handle to the counters of a worker run in-process.
 type Stats = Arc<airlock_worker::WorkerStats>;
 
-fn settings(id: &str, poll: Duration) -> airlock_worker::WorkerSettings {
+pub(crate) fn settings(id: &str, poll: Duration) -> airlock_worker::WorkerSettings {
     airlock_worker::WorkerSettings {
         id: id.into(),
         concurrency: 4,
@@ -668,6 +668,8 @@ fn settings(id: &str, poll: Duration) -> airlock_worker::WorkerSettings {
         retention: None,
         retention_interval: Duration::from_secs(3600),
         retention_batch: 100,
+        first_analyze: None,
+        first_analyze_interval: Duration::from_secs(3600),
     }
 }
 

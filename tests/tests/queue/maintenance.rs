@@ -1,5 +1,5 @@
 //! The worker's maintenance passes, one `run_once` at a time against a fresh database: the
-//! lease heartbeat, the rescuer and retention.
+//! lease heartbeat, the rescuer, retention and the first statistics.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,7 +7,7 @@ use std::time::Duration;
 use airlock_core::ids::JobId;
 use airlock_queue::{self as queue, ClaimFilter, JobState, NewJob};
 use airlock_worker::WorkerStats;
-use airlock_worker::runtime::{Heartbeat, HeartbeatCounts, InFlight, retention};
+use airlock_worker::runtime::{Heartbeat, HeartbeatCounts, InFlight, retention, statistics};
 use serde_json::json;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -223,4 +223,95 @@ async fn a_lost_lease_is_counted_once_however_long_its_job_waits_for_a_slot(pool
         assert_eq!(hb.run_once().await.unwrap(), HeartbeatCounts { extended: 0, missed: 0, lost: 0 });
     }
     assert_eq!(WorkerStats::get(&stats.lease_lost), 1, "one lost lease, counted once");
+}
+
+/// Enqueues `n` jobs on one connection and has it publish its table counters at once
+/// (they otherwise reach the statistics a second or more later).
+async fn enqueue_counted(pool: &PgPool, n: usize) {
+    let jobs: Vec<NewJob> = (0..n).map(|i| NewJob::new("t", json!({ "i": i }))).collect();
+    let mut conn = pool.acquire().await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    queue::enqueue_many(&mut tx, &jobs).await.unwrap();
+    tx.commit().await.unwrap();
+    // Forces the flush that follows this statement; the next one sees it done.
+    sqlx::query("SELECT pg_stat_force_next_flush()").execute(&mut *conn).await.unwrap();
+    sqlx::query("SELECT 1").execute(&mut *conn).await.unwrap();
+}
+
+/// `jobs`' statistics: (analyzed at all, rows the planner believes it has).
+async fn jobs_statistics(pool: &PgPool) -> (bool, f32) {
+    sqlx::query_as(
+        r#"SELECT s.last_analyze IS NOT NULL OR s.last_autoanalyze IS NOT NULL, c.reltuples
+           FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid WHERE s.relid = 'jobs'::regclass"#,
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_table_never_analyzed_is_analyzed_once_it_holds_work_and_then_left_to_autovacuum(pool: PgPool) {
+    let stats = WorkerStats::default();
+    assert_eq!(jobs_statistics(&pool).await, (false, -1.0), "a new database's jobs table has no statistics");
+
+    // Below the threshold: nothing is analyzed.
+    enqueue_counted(&pool, 600).await;
+    let analyzed = statistics::run_once(&pool, 1000, &stats).await.unwrap();
+    assert!(!analyzed.contains(&"jobs".to_string()), "{analyzed:?}");
+    assert!(!jobs_statistics(&pool).await.0);
+
+    // At it: analyzed, and the planner knows the rows.
+    enqueue_counted(&pool, 400).await;
+    let analyzed = statistics::run_once(&pool, 1000, &stats).await.unwrap();
+    assert!(analyzed.contains(&"jobs".to_string()), "{analyzed:?}");
+    assert_eq!(jobs_statistics(&pool).await, (true, 1000.0));
+    assert_eq!(WorkerStats::get(&stats.analyzed), analyzed.len() as u64);
+
+    // Never again, however much is written after: autovacuum keeps the statistics from here.
+    enqueue_counted(&pool, 3000).await;
+    let again = statistics::run_once(&pool, 1000, &stats).await.unwrap();
+    assert!(!again.contains(&"jobs".to_string()), "{again:?}");
+    assert_eq!(jobs_statistics(&pool).await, (true, 1000.0));
+
+    // Every table it analyzed is one that had no statistics: none is analyzed twice.
+    let analyzed_twice: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_user_tables WHERE schemaname = current_schema() AND analyze_count > 1",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(analyzed_twice, 0);
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_worker_analyzes_a_new_jobs_table_while_it_drains_it(pool: PgPool) {
+    airlock_tests::harness::init_logs();
+    let mut registry = airlock_worker::Registry::new();
+    registry.register_fn("t", |_ctx| async { Ok(airlock_worker::Outcome::Completed) });
+    let settings = airlock_worker::WorkerSettings {
+        first_analyze: Some(200),
+        first_analyze_interval: Duration::from_millis(100),
+        ..crate::jobs::settings("w-stats", Duration::from_millis(50))
+    };
+    let worker = airlock_worker::Worker::new(pool.clone(), registry, settings);
+    let stats = worker.stats();
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    enqueue_counted(&pool, 500).await;
+    // The worker's tick finds the table and analyzes it (the wait is bounded; the check is
+    // what it found).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !jobs_statistics(&pool).await.0 {
+        assert!(tokio::time::Instant::now() < deadline, "the worker never analyzed jobs");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    assert!(WorkerStats::get(&stats.analyzed) >= 1);
+    let manual: Option<i64> =
+        sqlx::query_scalar("SELECT autoanalyze_count FROM pg_stat_user_tables WHERE relid = 'jobs'::regclass")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(manual, Some(0), "the worker analyzed it, not autovacuum");
 }

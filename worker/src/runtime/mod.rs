@@ -12,8 +12,8 @@
 //! - `complete`: the completion loop, which batches completions, and their accounting.
 //! - `listen`: LISTEN/NOTIFY wake-ups.
 //! - [`in_flight`]: the jobs the worker holds, which the heartbeat extends.
-//! - [`heartbeat`], [`rescue`], [`retention`]: the maintenance loops, each a tick and a
-//!   `run_once` that tests call directly.
+//! - [`heartbeat`], [`rescue`], [`retention`], [`statistics`]: the maintenance loops, each a
+//!   tick and a `run_once` that tests call directly.
 //!
 //! Invariants:
 //! - Jobs are claimed for free slots. Only a prefetching worker (`claim_batch` above
@@ -47,6 +47,7 @@ pub mod in_flight;
 mod listen;
 pub mod rescue;
 pub mod retention;
+pub mod statistics;
 
 pub use heartbeat::{Heartbeat, HeartbeatCounts};
 pub use in_flight::InFlight;
@@ -79,6 +80,10 @@ pub struct WorkerSettings {
     pub retention: Option<Duration>,
     pub retention_interval: Duration,
     pub retention_batch: i64,
+    /// Analyze a table never analyzed once this many of its rows are written; `None`
+    /// leaves it to autovacuum.
+    pub first_analyze: Option<i64>,
+    pub first_analyze_interval: Duration,
 }
 
 impl WorkerSettings {
@@ -101,6 +106,8 @@ impl WorkerSettings {
             },
             retention_interval: Duration::from_secs(cfg.retention.interval_seconds.max(1)),
             retention_batch: cfg.retention.batch_size,
+            first_analyze: Some(w.first_analyze_rows).filter(|&n| n > 0),
+            first_analyze_interval: Duration::from_millis(w.first_analyze_interval_ms.max(100)),
         }
     }
 
@@ -131,6 +138,8 @@ pub struct WorkerStats {
     pub released: AtomicU64,
     pub rescued: AtomicU64,
     pub pruned: AtomicU64,
+    /// Tables this worker analyzed because they had no statistics yet.
+    pub analyzed: AtomicU64,
     /// Wake-ups caused by a NOTIFY.
     pub notify_wakeups: AtomicU64,
     /// Claims that returned jobs right after a NOTIFY wake-up (not after a poll tick).
@@ -210,6 +219,15 @@ impl Worker {
                 age,
                 s.retention_interval,
                 s.retention_batch,
+                self.stats.clone(),
+                background.clone(),
+            ));
+        }
+        if let Some(min_changes) = s.first_analyze {
+            loops.spawn(statistics::statistics_loop(
+                self.pool.clone(),
+                min_changes,
+                s.first_analyze_interval,
                 self.stats.clone(),
                 background.clone(),
             ));

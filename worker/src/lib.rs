@@ -4,8 +4,9 @@
 //! - [`runtime`]: the worker itself, [`Worker`] (claim, run, complete, drain), and its
 //!   maintenance loops, each with a `run_once` that tests call directly:
 //!   [`runtime::heartbeat`] (leases kept alive; a lease missed twice cancels its job),
-//!   [`runtime::rescue`] (expired leases settled) and [`runtime::retention`] (old jobs
-//!   pruned); [`runtime::in_flight`] is the set of jobs it holds. Its private parts:
+//!   [`runtime::rescue`] (expired leases settled), [`runtime::retention`] (old jobs
+//!   pruned) and [`runtime::statistics`] (a new table's first analysis);
+//!   [`runtime::in_flight`] is the set of jobs it holds. Its private parts:
 //!   `claim` (the claim loop and its caches), `execute` (slots and handlers), `complete`
 //!   (batched completions) and `listen` (LISTEN/NOTIFY wake-ups).
 //! - [`handler`]: how job kinds plug in (a [`Handler`] per kind in a [`Registry`]).

@@ -828,6 +828,8 @@ mod tests {
         assert!(err(("AIRLOCK__SMTP__TLS", "maybe")).contains("tls"));
         assert!(err(("AIRLOCK__SCORING__REVIEW_THRESHOLD", "2")).contains("scoring.review_threshold"));
         assert!(err(("AIRLOCK__DELIVERY__SENDERS", "nobody")).contains("delivery.senders"));
+        assert!(err(("AIRLOCK__WORKER__FIRST_ANALYZE_ROWS", "-1")).contains("worker.first_analyze_rows"));
+        assert!(err(("AIRLOCK__WORKER__FIRST_ANALYZE_INTERVAL_MS", "10")).contains("worker.first_analyze_interval_ms"));
         let missing = Config::from_sources(None, &[]).unwrap_err().to_string();
         assert!(missing.contains("database.url"), "{missing}");
     }

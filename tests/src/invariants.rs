@@ -25,7 +25,8 @@
 //!    (`ambiguous`, or `lease_expired`), and its send job is parked.
 //! 8. *Nothing unapproved*: every attempt sent an artifact hash some approval of that
 //!    delivery names.
-//! 9. *Audit*: every delivery's event chain verifies and ends in its current state; the
+//! 9. *Audit*: every delivery's event chain verifies and ends in its current state; no
+//!    event, recipient row or run step names a delivery or run that does not exist; the
 //!    audit log's chain verifies.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -332,6 +333,23 @@ pub async fn check(pool: &PgPool, accepted: &[Received], hooks: &[Hit]) -> Resul
         }
         if chain.last().map(|e| (e.seq, e.hash.as_str())) != Some((d.version, d.event_hash.as_str())) {
             v.push(format!("delivery {}: its head (version {}) is not its last event", d.id, d.version));
+        }
+    }
+    // The logs' rows name a parent their writers made in the same statement (no foreign
+    // key checks it for them): none may name a delivery or a run that does not exist.
+    let orphans: Vec<(String, i64)> = sqlx::query_as(
+        r#"SELECT 'delivery_events', count(*) FROM delivery_events e
+               WHERE NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.id = e.delivery_id)
+           UNION ALL SELECT 'delivery_recipients', count(*) FROM delivery_recipients r
+               WHERE NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.id = r.delivery_id)
+           UNION ALL SELECT 'run_steps', count(*) FROM run_steps s
+               WHERE NOT EXISTS (SELECT 1 FROM runs r WHERE r.id = s.run_id)"#,
+    )
+    .fetch_all(pool)
+    .await?;
+    for (table, n) in orphans {
+        if n > 0 {
+            v.push(format!("{n} rows of {table} name a parent that does not exist"));
         }
     }
     if let Some(id) = airlock_core::audit::verify(pool).await? {

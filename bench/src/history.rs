@@ -66,7 +66,8 @@ pub async fn load(pool: &PgPool, h: History, tag: &str) -> anyhow::Result<Vec<(&
     .await?;
     sqlx::query(
         r#"INSERT INTO history (g, id, run_id, agent, path, at, address, body, sha)
-           SELECT g, pg_temp.hid($1 || ':delivery', g), pg_temp.hid($1 || ':run', g % $3),
+           SELECT g, pg_temp.vid($1 || ':delivery', g, now() - interval '1 hour' - interval '30 days' * ($2 - g)::float8 / $2),
+                  pg_temp.hid($1 || ':run', g % $3),
                   'history-agent-' || (g % $3 % $5), p.path,
                   -- a month, oldest first, ending an hour ago; the review queue is the newest
                   now() - interval '1 hour' - interval '30 days' * ($2 - g)::float8 / $2,
@@ -238,12 +239,12 @@ pub async fn load(pool: &PgPool, h: History, tag: &str) -> anyhow::Result<Vec<(&
                              lease_owner, attempted_at, unique_key, created_at, finished_at)
            SELECT pg_temp.hid($1 || ':job', j), CASE WHEN j % 2 = 0 THEN 'delivery.score' ELSE 'delivery.send' END,
                   CASE WHEN j % 2 = 0 THEN 'default' ELSE 'send' END,
-                  jsonb_build_object('delivery_id', pg_temp.hid($1 || ':delivery', $3 - j / 2)), 'completed',
+                  jsonb_build_object('delivery_id', h.id), 'completed',
                   CASE WHEN j % 2 = 0 THEN 50 ELSE 40 END, f, 1, 10,
                   (CASE WHEN j % 2 = 0 THEN 'pure' ELSE 'non_repeatable' END)::effect_class, NULL, f,
-                  CASE WHEN j % 2 = 0 THEN 'score:' ELSE 'send:' END || pg_temp.hid($1 || ':delivery', $3 - j / 2),
+                  CASE WHEN j % 2 = 0 THEN 'score:' ELSE 'send:' END || h.id,
                   f, f + interval '50 milliseconds'
-           FROM generate_series(1, $2) j,
+           FROM generate_series(1, $2) j JOIN history h ON h.g = $3 - j / 2,
                 LATERAL (SELECT now() - interval '20 hours' * j::float8 / $2 AS f) t"#,
     )
     .bind(tag)
@@ -299,6 +300,10 @@ const FUNCTIONS: &[&str] = &[
     // A stable id per tag and number.
     "CREATE FUNCTION pg_temp.hid(tag text, g bigint) RETURNS uuid LANGUAGE sql IMMUTABLE
      AS $$ SELECT md5(tag || ':' || g)::uuid $$",
+    // A stable UUID v7 of a moment (deliveries' ids: the event log is partitioned by them).
+    "CREATE FUNCTION pg_temp.vid(tag text, g bigint, at timestamptz) RETURNS uuid LANGUAGE sql IMMUTABLE
+     AS $$ SELECT overlay(md5(tag || ':' || g) PLACING substr(replace(airlock_uuid_floor(at)::text, '-', ''), 1, 12)
+                          FROM 1 FOR 12)::uuid $$",
     // Who took each step of a path.
     r#"CREATE FUNCTION pg_temp.actor(path text[], seq int, agent text) RETURNS text LANGUAGE sql IMMUTABLE AS $$
        SELECT CASE path[seq]

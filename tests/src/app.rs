@@ -252,7 +252,8 @@ impl TestApp {
                FROM send_attempts WHERE delivery_id = $1
                UNION ALL
                SELECT format('event %s %s -> %s by %s: %s', seq, from_state, to_state, actor, reason)
-               FROM delivery_events WHERE delivery_id = $1
+               FROM (SELECT * FROM delivery_events UNION ALL SELECT * FROM delivery_events_archive) e
+               WHERE delivery_id = $1
                UNION ALL
                SELECT format('worker %s stopped %s heartbeat %s', id, stopped_at, heartbeat_at) FROM workers"#,
         )

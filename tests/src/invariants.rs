@@ -312,10 +312,12 @@ pub async fn check(pool: &PgPool, accepted: &[Received], hooks: &[Hit]) -> Resul
         }
     }
 
-    // 9. Audit: event chains (read in one pass) and the audit log.
+    // 9. Audit: event chains (read in one pass, from the hot log and the archive: a chain
+    // lies whole in one of them, and one found in both breaks) and the audit log.
     let rows = sqlx::query(
         r#"SELECT delivery_id, seq, from_state, to_state, actor, reason, data, at, prev_hash, hash
-           FROM delivery_events ORDER BY delivery_id, seq"#,
+           FROM (SELECT * FROM delivery_events UNION ALL SELECT * FROM delivery_events_archive) e
+           ORDER BY delivery_id, seq"#,
     )
     .fetch_all(pool)
     .await?;
@@ -352,6 +354,14 @@ pub async fn check(pool: &PgPool, accepted: &[Received], hooks: &[Hit]) -> Resul
     for (table, n) in orphans {
         if n > 0 {
             v.push(format!("{n} rows of {table} name a parent that does not exist"));
+        }
+    }
+    for seal in store::archive::seals(pool).await? {
+        if !seal.sound() {
+            v.push(format!(
+                "archived partition {}: {} broken chains, {} stray events",
+                seal.partition, seal.broken, seal.strays
+            ));
         }
     }
     if let Some(id) = airlock_core::audit::verify(pool).await? {

@@ -477,11 +477,50 @@ pub struct RetentionConfig {
     pub completed_jobs_hours: u64,
     pub interval_seconds: u64,
     pub batch_size: i64,
+    /// The period of one partition of `delivery_events` (the deliveries created in it).
+    pub event_partition_seconds: u64,
+    /// How many periods past now the partitions are made ahead of the writers.
+    pub event_partitions_ahead: u32,
+    /// A period's partition moves to the archive once the period ended this long ago and
+    /// every delivery of it is finished; 0 keeps every event in the hot log.
+    pub archive_events_after_seconds: u64,
+    /// The longest a partition change waits for the hot log's lock before it is left for
+    /// the next pass.
+    pub lock_timeout_ms: u64,
 }
 
 impl Default for RetentionConfig {
     fn default() -> Self {
-        Self { completed_jobs_hours: 24, interval_seconds: 60, batch_size: 5000 }
+        Self {
+            completed_jobs_hours: 24,
+            interval_seconds: 60,
+            batch_size: 5000,
+            event_partition_seconds: 7 * 86_400,
+            event_partitions_ahead: 4,
+            archive_events_after_seconds: 90 * 86_400,
+            lock_timeout_ms: 2000,
+        }
+    }
+}
+
+impl RetentionConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.batch_size < 1 {
+            return Err(invalid("retention.batch_size", "must be at least 1"));
+        }
+        if self.event_partition_seconds < 1 || self.event_partition_seconds > 366 * 86_400 {
+            return Err(invalid("retention.event_partition_seconds", "must be between 1 and 31622400 (a year)"));
+        }
+        if !(1..=1000).contains(&self.event_partitions_ahead) {
+            return Err(invalid("retention.event_partitions_ahead", "must be between 1 and 1000"));
+        }
+        if self.event_partition_seconds.saturating_mul(self.event_partitions_ahead as u64) > 10 * 366 * 86_400 {
+            return Err(invalid("retention.event_partitions_ahead", "reaches more than ten years ahead"));
+        }
+        if !(1..=60_000).contains(&self.lock_timeout_ms) {
+            return Err(invalid("retention.lock_timeout_ms", "must be between 1 and 60000"));
+        }
+        Ok(())
     }
 }
 
@@ -602,9 +641,7 @@ impl Config {
         self.validate_capsules()?;
         self.runs.validate()?;
         self.validate_models()?;
-        if self.retention.batch_size < 1 {
-            return Err(invalid("retention.batch_size", "must be at least 1"));
-        }
+        self.retention.validate()?;
         Ok(())
     }
 }
@@ -830,6 +867,14 @@ mod tests {
         assert!(err(("AIRLOCK__DELIVERY__SENDERS", "nobody")).contains("delivery.senders"));
         assert!(err(("AIRLOCK__WORKER__FIRST_ANALYZE_ROWS", "-1")).contains("worker.first_analyze_rows"));
         assert!(err(("AIRLOCK__WORKER__FIRST_ANALYZE_INTERVAL_MS", "10")).contains("worker.first_analyze_interval_ms"));
+        assert!(
+            err(("AIRLOCK__RETENTION__EVENT_PARTITION_SECONDS", "0")).contains("retention.event_partition_seconds")
+        );
+        assert!(err(("AIRLOCK__RETENTION__EVENT_PARTITIONS_AHEAD", "0")).contains("retention.event_partitions_ahead"));
+        assert!(err(("AIRLOCK__RETENTION__LOCK_TIMEOUT_MS", "0")).contains("retention.lock_timeout_ms"));
+        assert!(
+            err(("AIRLOCK__RETENTION__ARCHIVE_EVENTS_AFTER_SECONDS", "-1")).contains("archive_events_after_seconds")
+        );
         let missing = Config::from_sources(None, &[]).unwrap_err().to_string();
         assert!(missing.contains("database.url"), "{missing}");
     }

@@ -224,10 +224,16 @@ pub fn event_hash(prev: Option<&str>, e: &EventContent<'_>) -> String {
     hex::encode(Sha256::digest(content.to_string().as_bytes()))
 }
 
+/// A delivery's events, oldest first, from the hot log or the archive (a delivery's chain
+/// lies whole in one of them, see [`crate::store::archive`]).
 pub async fn events(db: impl PgExecutor<'_>, id: DeliveryId) -> Result<Vec<Event>, sqlx::Error> {
     sqlx::query_as(
         r#"SELECT seq, from_state, to_state, actor, reason, data, at, prev_hash, hash
-           FROM delivery_events WHERE delivery_id = $1 ORDER BY seq"#,
+           FROM delivery_events WHERE delivery_id = $1
+           UNION ALL
+           SELECT seq, from_state, to_state, actor, reason, data, at, prev_hash, hash
+           FROM delivery_events_archive WHERE delivery_id = $1
+           ORDER BY seq"#,
     )
     .bind(id)
     .fetch_all(db)

@@ -5,6 +5,8 @@
 //!   the locks each transition takes; what transaction A of a send reads.
 //! - [`events`]: every state change ([`transition`], [`advance`], [`advance_many`]) with
 //!   its hash-chained event rows, and the chain's verification.
+//! - [`archive`]: the event log's partitions, made ahead, and its archive of finished
+//!   periods, sealed.
 //! - [`artifacts`], [`scores`], [`reviews`], [`approvals`]: what scoring and humans add.
 //! - [`attempts`] and [`receipts`]: the two ends of a send, fenced on its job's lease
 //!   through the queue's statement pieces (the queue alone writes `jobs`).
@@ -13,6 +15,7 @@
 //!   per-recipient limit counts.
 
 pub mod approvals;
+pub mod archive;
 pub mod artifacts;
 pub mod attempts;
 pub mod deliveries;

@@ -88,18 +88,35 @@ async fn run_as_application(owner: PgPool, role: String) {
         .fetch_all(&owner)
         .await
         .unwrap();
-    for must in ["audit_log", "delivery_events", "run_steps", "run_effects", "turn_events", "agent_journal"] {
+    for must in [
+        "audit_log",
+        "delivery_events",
+        "delivery_events_archive",
+        "delivery_event_archives",
+        "run_steps",
+        "run_effects",
+        "turn_events",
+        "agent_journal",
+    ] {
         assert!(logs.iter().any(|l| l == must), "{must} is not among the append-only logs {logs:?}");
     }
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM audit_log").fetch_one(&app_pool).await.unwrap();
     assert!(rows >= 1);
     for log in &logs {
+        // (A partition's row trigger is its parent's, by the parent's name.)
+        let trigger: String = sqlx::query_scalar(
+            r#"SELECT tgname::text FROM pg_trigger WHERE tgrelid = $1::regclass AND tgname LIKE '%\_append\_only'"#,
+        )
+        .bind(log)
+        .fetch_one(&owner)
+        .await
+        .unwrap();
         for sql in [
             format!("UPDATE {log} SET {col} = {col}", col = first_column(&owner, log).await),
             format!("DELETE FROM {log}"),
             format!("TRUNCATE {log}"),
             format!("ALTER TABLE {log} DISABLE TRIGGER ALL"),
-            format!("DROP TRIGGER IF EXISTS {log}_append_only ON {log}"),
+            format!("DROP TRIGGER {trigger} ON {log}"),
         ] {
             let e = exec(&app_pool, sql.clone()).await.expect_err(&sql);
             let code = code_of(&e);
@@ -107,6 +124,40 @@ async fn run_as_application(owner: PgPool, role: String) {
             assert_eq!(code, INSUFFICIENT_PRIVILEGE, "{sql}: {e}");
         }
     }
+    // The event log's partitions and archive are the owner's: the role may run the
+    // functions that keep them (as the worker did above), but neither move a partition
+    // itself nor write the archive or its seals.
+    let hot: String = sqlx::query_scalar("SELECT part::text FROM airlock_partitions('delivery_events') LIMIT 1")
+        .fetch_one(&app_pool)
+        .await
+        .unwrap();
+    for sql in [
+        format!("ALTER TABLE delivery_events DETACH PARTITION {hot}"),
+        format!("DROP TABLE {hot}"),
+        "CREATE TABLE delivery_events_forged PARTITION OF delivery_events_archive FOR VALUES FROM (MINVALUE) TO (MAXVALUE)"
+            .into(),
+        "INSERT INTO delivery_events_archive (delivery_id, seq, to_state, actor, hash) \
+         VALUES (gen_random_uuid(), 1, 'sent', 'agent:x', 'h')"
+            .into(),
+        "INSERT INTO delivery_event_archives (partition, hi, deliveries, events, broken, strays) \
+         VALUES ('delivery_events_p0', gen_random_uuid(), 0, 0, 0, 0)"
+            .into(),
+    ] {
+        let e = exec(&app_pool, sql.clone()).await.expect_err(&sql);
+        assert_eq!(code_of(&e), INSUFFICIENT_PRIVILEGE, "{sql}: {e}");
+    }
+    let made: Vec<String> = sqlx::query_scalar("SELECT p FROM airlock_delivery_events_partitions(604800, 4, 1000) p")
+        .fetch_all(&app_pool)
+        .await
+        .unwrap();
+    assert!(made.is_empty(), "the worker keeps partitions ahead already: {made:?}");
+    let public: bool =
+        sqlx::query_scalar("SELECT has_function_privilege('public', 'airlock_archive_move(text, integer)', 'EXECUTE')")
+            .fetch_one(&owner)
+            .await
+            .unwrap();
+    assert!(!public, "anyone may move the owner's partitions");
+
     // Nor may it say which migrations ran.
     let e = exec(&app_pool, "DELETE FROM _sqlx_migrations".into()).await.unwrap_err();
     assert_eq!(code_of(&e), INSUFFICIENT_PRIVILEGE);

@@ -3,6 +3,7 @@
 //! One test binary for the group; each module is a suite.
 #![allow(clippy::unwrap_used)]
 
+mod archive;
 mod delivery;
 mod gate;
 mod http_surface;

@@ -670,6 +670,7 @@ pub(crate) fn settings(id: &str, poll: Duration) -> airlock_worker::WorkerSettin
         retention_batch: 100,
         first_analyze: None,
         first_analyze_interval: Duration::from_secs(3600),
+        log: Default::default(),
     }
 }
 

@@ -12,7 +12,7 @@
 //! - `complete`: the completion loop, which batches completions, and their accounting.
 //! - `listen`: LISTEN/NOTIFY wake-ups.
 //! - [`in_flight`]: the jobs the worker holds, which the heartbeat extends.
-//! - [`heartbeat`], [`rescue`], [`retention`], [`statistics`]: the maintenance loops, each a
+//! - [`heartbeat`], [`rescue`], [`retention`], [`statistics`], [`partitions`]: the maintenance loops, each a
 //!   tick and a `run_once` that tests call directly.
 //!
 //! Invariants:
@@ -45,6 +45,7 @@ mod execute;
 pub mod heartbeat;
 pub mod in_flight;
 mod listen;
+pub mod partitions;
 pub mod rescue;
 pub mod retention;
 pub mod statistics;
@@ -84,6 +85,8 @@ pub struct WorkerSettings {
     /// leaves it to autovacuum.
     pub first_analyze: Option<i64>,
     pub first_analyze_interval: Duration,
+    /// The event log's partitions and archive.
+    pub log: partitions::LogSettings,
 }
 
 impl WorkerSettings {
@@ -108,6 +111,7 @@ impl WorkerSettings {
             retention_batch: cfg.retention.batch_size,
             first_analyze: Some(w.first_analyze_rows).filter(|&n| n > 0),
             first_analyze_interval: Duration::from_millis(w.first_analyze_interval_ms.max(100)),
+            log: partitions::LogSettings::from_config(&cfg.retention),
         }
     }
 
@@ -140,6 +144,8 @@ pub struct WorkerStats {
     pub pruned: AtomicU64,
     /// Tables this worker analyzed because they had no statistics yet.
     pub analyzed: AtomicU64,
+    /// Event log partitions this worker moved to the archive.
+    pub archived: AtomicU64,
     /// Wake-ups caused by a NOTIFY.
     pub notify_wakeups: AtomicU64,
     /// Claims that returned jobs right after a NOTIFY wake-up (not after a poll tick).
@@ -223,6 +229,13 @@ impl Worker {
                 background.clone(),
             ));
         }
+        loops.spawn(partitions::partitions_loop(
+            self.pool.clone(),
+            s.log,
+            s.retention_interval,
+            self.stats.clone(),
+            background.clone(),
+        ));
         if let Some(min_changes) = s.first_analyze {
             loops.spawn(statistics::statistics_loop(
                 self.pool.clone(),

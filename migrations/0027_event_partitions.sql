@@ -231,8 +231,8 @@ END $$;
 -- Step 3: moves the partition to the archive: under a lock of the hot log that waits at most
 -- `lock_timeout_ms` (false when it could not be had: try again later), checks once more
 -- that its period is closed, detaches it and attaches it to the archive (no scan: the
--- validated constraint proves its range). Then seals it (a read of the archived partition,
--- no lock of the hot log left to hold but the transaction's): see `airlock_archive_seal`.
+-- validated constraint proves its range). The seal follows in a transaction of its own
+-- (`airlock_archive_seal`), so that its read holds no lock of the hot log.
 CREATE FUNCTION airlock_archive_move(part text, lock_timeout_ms integer) RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE

@@ -144,8 +144,6 @@ pub struct WorkerStats {
     pub pruned: AtomicU64,
     /// Tables this worker analyzed because they had no statistics yet.
     pub analyzed: AtomicU64,
-    /// Event log partitions this worker moved to the archive.
-    pub archived: AtomicU64,
     /// Wake-ups caused by a NOTIFY.
     pub notify_wakeups: AtomicU64,
     /// Claims that returned jobs right after a NOTIFY wake-up (not after a poll tick).
@@ -229,13 +227,7 @@ impl Worker {
                 background.clone(),
             ));
         }
-        loops.spawn(partitions::partitions_loop(
-            self.pool.clone(),
-            s.log,
-            s.retention_interval,
-            self.stats.clone(),
-            background.clone(),
-        ));
+        loops.spawn(partitions::partitions_loop(self.pool.clone(), s.log, s.retention_interval, background.clone()));
         if let Some(min_changes) = s.first_analyze {
             loops.spawn(statistics::statistics_loop(
                 self.pool.clone(),

@@ -11,15 +11,13 @@
 //!   partition stays archived (moving it back would not mend it) for a human to look at.
 //! - A failed pass is logged and tried again at the next tick; it never stops the worker.
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use airlock_delivery::store::archive::{self, Archived, Seal};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use super::{WorkerStats, next_tick, ticker};
+use super::{next_tick, ticker};
 
 /// How the event log is partitioned and archived (`retention.*`).
 #[derive(Debug, Clone, Copy)]
@@ -60,12 +58,7 @@ pub struct Pass {
 
 /// One pass: makes partitions ahead, then archives every due partition, oldest first, while
 /// `stop` has not fired.
-pub async fn run_once(
-    pool: &PgPool,
-    s: &LogSettings,
-    stats: &WorkerStats,
-    stop: &CancellationToken,
-) -> Result<Pass, sqlx::Error> {
+pub async fn run_once(pool: &PgPool, s: &LogSettings, stop: &CancellationToken) -> Result<Pass, sqlx::Error> {
     let mut pass =
         Pass { created: archive::ensure_partitions(pool, s.period, s.ahead, s.lock_timeout).await?, ..Pass::default() };
     if !pass.created.is_empty() {
@@ -81,7 +74,6 @@ pub async fn run_once(
                 break;
             }
             Archived::Moved(seal) => {
-                stats.archived.fetch_add(1, Ordering::Relaxed);
                 if seal.sound() {
                     tracing::info!(partition = %seal.partition, deliveries = seal.deliveries, events = seal.events,
                                    "event log partition archived and sealed");
@@ -97,16 +89,10 @@ pub async fn run_once(
 }
 
 /// Runs a pass every `interval` (the first at once) until `stop` fires.
-pub(super) async fn partitions_loop(
-    pool: PgPool,
-    s: LogSettings,
-    interval: Duration,
-    stats: Arc<WorkerStats>,
-    stop: CancellationToken,
-) {
+pub(super) async fn partitions_loop(pool: PgPool, s: LogSettings, interval: Duration, stop: CancellationToken) {
     let mut tick = ticker(interval);
     while next_tick(&mut tick, &stop).await {
-        if let Err(e) = run_once(&pool, &s, &stats, &stop).await {
+        if let Err(e) = run_once(&pool, &s, &stop).await {
             tracing::warn!(error = %e, "event log partitioning pass failed");
         }
     }

@@ -267,22 +267,59 @@ pub async fn load(pool: &PgPool, h: History, tag: &str) -> anyhow::Result<Vec<(&
     Ok(took)
 }
 
-/// The sequential scans each table the history fills has had, as far as the statistics
-/// have been written out (a session writes its counts out at the latest when it ends).
-pub async fn seq_scans(pool: &PgPool) -> Result<Vec<(String, i64)>, sqlx::Error> {
-    // A partitioned table's scans are counted on its partitions: those of 10 pages or more
-    // (80 kB). The planner reads a partition smaller than that whole rather than through its
-    // index (the current period's, while it fills); that is no read of the history.
-    sqlx::query_as(
-        "SELECT t.name, coalesce(sum(s.seq_scan), 0)::bigint FROM unnest($1::text[]) t (name)
+/// The sequential scans each table the history fills, and each partition of one, has had
+/// so far, as far as the statistics have been written out (a session writes its counts out
+/// at the latest when it ends); see [`Scans::since`].
+pub async fn seq_scans(pool: &PgPool) -> Result<Scans, sqlx::Error> {
+    let rows = sqlx::query_as(
+        "SELECT t.name, s.relname::text, s.seq_scan, pg_relation_size(s.relid) / current_setting('block_size')::bigint
+         FROM unnest($1::text[]) t (name)
          JOIN pg_stat_user_tables s ON s.schemaname = current_schema() AND (s.relname = t.name
-              OR (s.relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = to_regclass(t.name))
-                  AND pg_relation_size(s.relid) >= 10 * current_setting('block_size')::bigint))
-         GROUP BY t.name ORDER BY t.name",
+              OR s.relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = to_regclass(t.name)))",
     )
     .bind(TABLES)
     .fetch_all(pool)
-    .await
+    .await?;
+    Ok(Scans(rows))
+}
+
+/// One reading of [`seq_scans`]: per relation, its table, its name, its sequential scans
+/// and its size in pages.
+#[derive(Debug, Clone)]
+pub struct Scans(Vec<(String, String, i64, i64)>);
+
+impl Scans {
+    /// How many of [`TABLES`] the reading found (each must be there to be counted).
+    pub fn tables(&self) -> usize {
+        TABLES.iter().filter(|&&t| self.0.iter().any(|(table, _, _, _)| table == t)).count()
+    }
+
+    /// Per table the history fills (in [`TABLES`] order), the sequential scans since
+    /// `before` of the table itself and of those of its partitions that held the history
+    /// then: 10 pages (80 kB) or more at `before`. A partition made or filled since (the
+    /// current period's) is not the history, and the planner reads one that small whole
+    /// rather than through its index.
+    pub fn since(&self, before: &Scans) -> Vec<(String, i64)> {
+        TABLES
+            .iter()
+            .map(|&table| {
+                let n = self
+                    .0
+                    .iter()
+                    .filter(|(t, _, _, _)| t == table)
+                    .filter_map(|(_, rel, scans, _)| {
+                        let then = before.0.iter().find(|(t, r, _, _)| t == table && r == rel);
+                        match then {
+                            _ if rel == table => Some(scans - then.map_or(0, |b| b.2)),
+                            Some((_, _, b, pages)) if *pages >= 10 => Some(scans - b),
+                            _ => None,
+                        }
+                    })
+                    .sum();
+                (table.to_string(), n)
+            })
+            .collect()
+    }
 }
 
 /// The tables the history fills.

@@ -38,7 +38,10 @@ struct Side {
 const DRAIN_JOBS: i64 = 20_000;
 
 async fn side(args: &Args, db: &mut Db, with_history: bool) -> anyhow::Result<Side> {
-    let before = if with_history { seq_scans(db).await? } else { Vec::new() };
+    let before = if with_history { Some(seq_scans(db).await?) } else { None };
+    if !with_history {
+        db.pool = own_pool(&db.url).await?;
+    }
     // The figures the ratios compare run alike on both sides: no reader beside them.
     let pipeline = service::pipeline(args, db, false).await?;
     let rate = (args.steady_rate, args.steady_seconds, args.relay_ms);
@@ -52,8 +55,7 @@ async fn side(args: &Args, db: &mut Db, with_history: bool) -> anyhow::Result<Si
     }
     let mut scans = Vec::new();
     if with_history {
-        let after = seq_scans(db).await?;
-        scans = after.into_iter().zip(before).map(|((table, a), (_, b))| (table, a - b)).collect();
+        scans = seq_scans(db).await?.since(&before.context("read before")?);
     }
     let (drain, _) = drain_on(args, db, DRAIN_JOBS, 1, false).await?;
     Ok(Side { pipeline, steady, runs, drain, reads, scans })
@@ -174,6 +176,17 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
         reps,
         read_whole.join(", ")
     ));
+    // The event log's partitions apart: the history's own (the first, made by the migration
+    // and filled by the loader) and those the service's deliveries filled while measured.
+    let parts: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT s.relname::text, s.seq_scan, pg_relation_size(s.relid) / current_setting('block_size')::bigint
+         FROM pg_stat_user_tables s JOIN pg_inherits i ON i.inhrelid = s.relid
+         WHERE i.inhparent = 'delivery_events'::regclass ORDER BY s.relname",
+    )
+    .fetch_all(&hist.pool)
+    .await?;
+    let parts: Vec<String> = parts.iter().map(|(name, n, pages)| format!("{name} {n} ({pages} pages)")).collect();
+    report.push_str(&format!("Of which the event log's partitions, as they end: {}\n", parts.join(", ")));
     hist.drop().await?;
     Ok(report)
 }
@@ -211,11 +224,24 @@ async fn plans(db: &Db) -> anyhow::Result<String> {
     Ok(out)
 }
 
+/// The bench's own connections on either side: its waits and the reads of its results are
+/// planned with `enable_seqscan = off`, so that the history's count of sequential scans is
+/// the service's alone (a join over a few thousand ids may otherwise read a table whole).
+async fn own_pool(url: &str) -> Result<sqlx::PgPool, sqlx::Error> {
+    PgPoolOptions::new()
+        .max_connections(20)
+        .after_connect(|conn, _| {
+            Box::pin(async move { sqlx::query("SET enable_seqscan = off").execute(conn).await.map(drop) })
+        })
+        .connect(url)
+        .await
+}
+
 /// Sequential scans so far of each table the history fills. The bench's own sessions are
 /// closed first and their ends awaited, so every count has been written out.
-async fn seq_scans(db: &mut Db) -> anyhow::Result<Vec<(String, i64)>> {
+async fn seq_scans(db: &mut Db) -> anyhow::Result<history::Scans> {
     db.pool.close().await;
-    db.pool = PgPoolOptions::new().max_connections(20).connect(&db.url).await?;
+    db.pool = own_pool(&db.url).await?;
     let start = Instant::now();
     loop {
         let others: i64 = sqlx::query_scalar(

@@ -272,10 +272,12 @@ pub async fn load(pool: &PgPool, h: History, tag: &str) -> anyhow::Result<Vec<(&
 /// at the latest when it ends); see [`Scans::since`].
 pub async fn seq_scans(pool: &PgPool) -> Result<Scans, sqlx::Error> {
     let rows = sqlx::query_as(
-        "SELECT t.name, s.relname::text, s.seq_scan, pg_relation_size(s.relid) / current_setting('block_size')::bigint
+        r#"SELECT t.name AS "table", s.relname::text AS name, s.seq_scan AS seq_scans,
+                pg_relation_size(s.relid) / current_setting('block_size')::bigint AS pages
          FROM unnest($1::text[]) t (name)
          JOIN pg_stat_user_tables s ON s.schemaname = current_schema() AND (s.relname = t.name
-              OR s.relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = to_regclass(t.name)))",
+              OR s.relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = to_regclass(t.name)))
+         ORDER BY t.name, s.relname"#,
     )
     .bind(TABLES)
     .fetch_all(pool)
@@ -283,15 +285,23 @@ pub async fn seq_scans(pool: &PgPool) -> Result<Scans, sqlx::Error> {
     Ok(Scans(rows))
 }
 
-/// One reading of [`seq_scans`]: per relation, its table, its name, its sequential scans
-/// and its size in pages.
+/// One relation of a [`Scans`] reading: a table the history fills or a partition of one.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Relation {
+    pub table: String,
+    pub name: String,
+    pub seq_scans: i64,
+    pub pages: i64,
+}
+
+/// One reading of [`seq_scans`].
 #[derive(Debug, Clone)]
-pub struct Scans(Vec<(String, String, i64, i64)>);
+pub struct Scans(pub Vec<Relation>);
 
 impl Scans {
     /// How many of [`TABLES`] the reading found (each must be there to be counted).
     pub fn tables(&self) -> usize {
-        TABLES.iter().filter(|&&t| self.0.iter().any(|(table, _, _, _)| table == t)).count()
+        TABLES.iter().filter(|&&t| self.0.iter().any(|r| r.table == t)).count()
     }
 
     /// Per table the history fills (in [`TABLES`] order), the sequential scans since
@@ -300,20 +310,18 @@ impl Scans {
     /// current period's) is not the history, and the planner reads one that small whole
     /// rather than through its index.
     pub fn since(&self, before: &Scans) -> Vec<(String, i64)> {
+        let then = |r: &Relation| before.0.iter().find(|b| b.table == r.table && b.name == r.name);
         TABLES
             .iter()
             .map(|&table| {
                 let n = self
                     .0
                     .iter()
-                    .filter(|(t, _, _, _)| t == table)
-                    .filter_map(|(_, rel, scans, _)| {
-                        let then = before.0.iter().find(|(t, r, _, _)| t == table && r == rel);
-                        match then {
-                            _ if rel == table => Some(scans - then.map_or(0, |b| b.2)),
-                            Some((_, _, b, pages)) if *pages >= 10 => Some(scans - b),
-                            _ => None,
-                        }
+                    .filter(|r| r.table == table)
+                    .filter_map(|r| match then(r) {
+                        b if r.name == table => Some(r.seq_scans - b.map_or(0, |b| b.seq_scans)),
+                        Some(b) if b.pages >= 10 => Some(r.seq_scans - b.seq_scans),
+                        _ => None,
                     })
                     .sum();
                 (table.to_string(), n)

@@ -178,14 +178,13 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
     ));
     // The event log's partitions apart: the history's own (the first, made by the migration
     // and filled by the loader) and those the service's deliveries filled while measured.
-    let parts: Vec<(String, i64, i64)> = sqlx::query_as(
-        "SELECT s.relname::text, s.seq_scan, pg_relation_size(s.relid) / current_setting('block_size')::bigint
-         FROM pg_stat_user_tables s JOIN pg_inherits i ON i.inhrelid = s.relid
-         WHERE i.inhparent = 'delivery_events'::regclass ORDER BY s.relname",
-    )
-    .fetch_all(&hist.pool)
-    .await?;
-    let parts: Vec<String> = parts.iter().map(|(name, n, pages)| format!("{name} {n} ({pages} pages)")).collect();
+    let end = seq_scans(&mut hist).await?;
+    let parts: Vec<String> = end
+        .0
+        .iter()
+        .filter(|r| r.table == "delivery_events" && r.name != r.table)
+        .map(|r| format!("{} {} ({} pages)", r.name, r.seq_scans, r.pages))
+        .collect();
     report.push_str(&format!("Of which the event log's partitions, as they end: {}\n", parts.join(", ")));
     hist.drop().await?;
     Ok(report)

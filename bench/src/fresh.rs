@@ -26,7 +26,7 @@ pub struct Standing {
 /// drain them (after `ANALYZE jobs` with `args.fresh_analyze`, which tells the table's
 /// statistics apart from the rest); checks that every job enqueued was completed once.
 async fn standing(args: &Args, db: &Db) -> anyhow::Result<Standing> {
-    let env = drain_env(db, 16, 1);
+    let env = drain_env(db, 16, 1, false);
     let before = count(&db.pool, "SELECT count(*) FROM jobs WHERE state = 'completed'").await?;
     let backlog = args.fresh_backlog;
     fill(&db.pool, backlog).await?;

@@ -99,8 +99,8 @@ struct Args {
     /// `--only fresh`, which write `<date>-history.json` and `<date>-fresh.json`.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
-    /// Drain modes to measure (per_job, batched), for profiling one of them.
-    #[arg(long, value_delimiter = ',', default_value = "per_job,batched")]
+    /// Drain modes to measure (per_job, per_job_deleting, batched), for profiling one of them.
+    #[arg(long, value_delimiter = ',', default_value = "per_job,per_job_deleting,batched")]
     modes: Vec<String>,
     /// Worker process counts for the drains, for profiling one of them.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
@@ -263,8 +263,34 @@ async fn db_clock(pool: &PgPool) -> anyhow::Result<f64> {
 /// How often a measured run's end is polled.
 const MEASURED_POLL: Duration = Duration::from_millis(250);
 
+/// How often a drain whose completions delete their rows is polled: the poll dates its end.
+const DELETING_POLL: Duration = Duration::from_millis(5);
+
+/// How a drain's workers claim and complete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// One job per claim and per completion, completed rows kept.
+    PerJob,
+    /// As `PerJob`, with `retention.delete_completed_jobs`: a completion deletes the row.
+    PerJobDeleting,
+    /// 100 jobs per claim and per completion.
+    Batched,
+}
+
+impl Mode {
+    const ALL: [Mode; 3] = [Mode::PerJob, Mode::PerJobDeleting, Mode::Batched];
+
+    fn name(self) -> &'static str {
+        match self {
+            Mode::PerJob => "per_job",
+            Mode::PerJobDeleting => "per_job_deleting",
+            Mode::Batched => "batched",
+        }
+    }
+}
+
 /// Drains `n` pre-enqueued jobs with `workers` processes; returns (jobs/s, peak RSS MiB).
-async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_rows: i64) -> anyhow::Result<(f64, f64)> {
+async fn drain(args: &Args, n: i64, workers: usize, mode: Mode, completed_rows: i64) -> anyhow::Result<(f64, f64)> {
     let db = Db::create(args, "drain").await?;
     if completed_rows > 0 {
         sqlx::query(
@@ -282,14 +308,15 @@ async fn drain(args: &Args, n: i64, workers: usize, batched: bool, completed_row
         // whole page to the WAL, so one just before any drain would bill it for its set-up.
         sqlx::query("CHECKPOINT").execute(&db.pool).await?;
     }
-    let figures = drain_on(args, &db, n, workers, batched).await?;
+    let figures = drain_on(args, &db, n, workers, mode).await?;
     db.drop().await?;
     Ok(figures)
 }
 
 /// The environment of a worker process draining the bench's no-op jobs on `db`:
-/// `concurrency` handlers, `batch` jobs per claim and per completion, completed jobs kept.
-fn drain_env(db: &Db, concurrency: usize, batch: usize) -> Vec<(&'static str, String)> {
+/// `concurrency` handlers, `batch` jobs per claim and per completion, completed jobs kept
+/// (or, `deleting`, deleted by their completion).
+fn drain_env(db: &Db, concurrency: usize, batch: usize, deleting: bool) -> Vec<(&'static str, String)> {
     vec![
         ("DATABASE_URL", db.url.clone()),
         ("AIRLOCK__WORKER__DIAGNOSTIC_JOBS", "true".into()),
@@ -298,6 +325,7 @@ fn drain_env(db: &Db, concurrency: usize, batch: usize) -> Vec<(&'static str, St
         ("AIRLOCK__WORKER__COMPLETE_BATCH", batch.to_string()),
         ("AIRLOCK__WORKER__QUEUES", "bench".into()),
         ("AIRLOCK__RETENTION__COMPLETED_JOBS_HOURS", "0".into()),
+        ("AIRLOCK__RETENTION__DELETE_COMPLETED_JOBS", deleting.to_string()),
         ("AIRLOCK__DATABASE__MAX_CONNECTIONS", "16".into()),
     ]
 }
@@ -308,11 +336,12 @@ const DRAINED: &str = "SELECT CASE WHEN EXISTS (SELECT 1 FROM jobs WHERE state =
                               OR EXISTS (SELECT 1 FROM jobs WHERE lease_owner IS NOT NULL) THEN 0 ELSE 1 END::bigint";
 
 /// [`drain`] on `db`, which may already hold anything (a history).
-async fn drain_on(args: &Args, db: &Db, n: i64, workers: usize, batched: bool) -> anyhow::Result<(f64, f64)> {
+async fn drain_on(args: &Args, db: &Db, n: i64, workers: usize, mode: Mode) -> anyhow::Result<(f64, f64)> {
     fill(&db.pool, n).await?;
     sqlx::query("ANALYZE jobs").execute(&db.pool).await?;
     airlock_queue::pause_queue(&db.pool, "bench", "bench start").await?;
-    let env = drain_env(db, 10, if batched { 100 } else { 1 });
+    let deleting = mode == Mode::PerJobDeleting;
+    let env = drain_env(db, 10, if mode == Mode::Batched { 100 } else { 1 }, deleting);
     let procs: Vec<Proc> =
         (0..workers).map(|_| spawn(&args.bin_dir, "airlock-worker", &[], &env)).collect::<anyhow::Result<_>>()?;
     wait_until(
@@ -328,16 +357,29 @@ async fn drain_on(args: &Args, db: &Db, n: i64, workers: usize, batched: bool) -
     // Poll what is left through the partial indexes (a count of completed rows would scan
     // the growing table and slow the very drain it measures), then check nothing was lost.
     // The drain ends when its last job was completed, on the database's clock.
-    wait_every(&db.pool, DRAINED, 1, Duration::from_secs(1800), MEASURED_POLL).await?;
-    let (after, end): (i64, f64) = sqlx::query_as(
-        "SELECT count(*), extract(epoch FROM max(finished_at))::float8 FROM jobs WHERE state = 'completed'",
-    )
-    .fetch_one(&db.pool)
-    .await?;
-    let rate = n as f64 / (end - start);
-    if after != before + n {
-        bail!("drain lost jobs: {} completed, {} expected", after - before, n);
-    }
+    let rate = if deleting {
+        // A completion leaves no row to date it: the end is when the poll, every few
+        // milliseconds, first finds nothing left, and nothing is lost when no job of the
+        // drain is left at all (a failed one would stay, and nothing else deletes them).
+        wait_every(&db.pool, DRAINED, 1, Duration::from_secs(1800), DELETING_POLL).await?;
+        let end = db_clock(&db.pool).await?;
+        let left = count(&db.pool, "SELECT count(*) FROM jobs WHERE queue = 'bench'").await?;
+        if left != 0 {
+            bail!("drain lost jobs: {left} of the drain's jobs left, none expected");
+        }
+        n as f64 / (end - start)
+    } else {
+        wait_every(&db.pool, DRAINED, 1, Duration::from_secs(1800), MEASURED_POLL).await?;
+        let (after, end): (i64, f64) = sqlx::query_as(
+            "SELECT count(*), extract(epoch FROM max(finished_at))::float8 FROM jobs WHERE state = 'completed'",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        if after != before + n {
+            bail!("drain lost jobs: {} completed, {} expected", after - before, n);
+        }
+        n as f64 / (end - start)
+    };
     let rss = peak_rss_mib(&procs);
     for p in procs {
         p.stop();
@@ -477,6 +519,7 @@ async fn main() -> anyhow::Result<()> {
     let (mut c1s, mut c100s) = (Vec::new(), Vec::new());
     let mut drains: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     let (mut per_jobs, mut batcheds, mut per_job_ratios, mut batched_ratios) = (vec![], vec![], vec![], vec![]);
+    let (mut deletings, mut deleting_ratios) = (vec![], vec![]);
     for i in 0..r {
         let (mut c1, mut c100) = (f64::NAN, f64::NAN);
         if args.wants("ceiling") {
@@ -490,32 +533,41 @@ async fn main() -> anyhow::Result<()> {
         if !args.wants("drain") {
             continue;
         }
-        let (mut per_job, mut batched) = (f64::NAN, f64::NAN);
+        let (mut per_job, mut deleting, mut batched) = (f64::NAN, f64::NAN, f64::NAN);
         for (label, n) in &sets {
             for &workers in &args.workers {
-                for batch in [false, true] {
-                    let mode = if batch { "batched" } else { "per_job" };
-                    if !args.modes.iter().any(|m| m == mode) {
+                // Every other repetition measures the modes in the reverse order, so that a
+                // drift of the machine's speed over a repetition favours none of them.
+                let mut modes = Mode::ALL;
+                if i % 2 == 1 {
+                    modes.reverse();
+                }
+                for mode in modes {
+                    let name = mode.name();
+                    if !args.modes.iter().any(|m| m == name) {
                         continue;
                     }
-                    let (rate, rss) = drain(&args, *n, workers, batch, 0).await?;
+                    let (rate, rss) = drain(&args, *n, workers, mode, 0).await?;
                     eprintln!(
-                        "  repetition {}: drain {n} jobs, {workers} worker(s), {mode}: {rate:.0} jobs/s, peak RSS {rss:.1} MiB",
+                        "  repetition {}: drain {n} jobs, {workers} worker(s), {name}: {rate:.0} jobs/s, peak RSS {rss:.1} MiB",
                         i + 1
                     );
                     rss_seen = rss_seen.max(rss);
-                    drains.entry(format!("drain_{label}_{workers}w_{mode}_jobs_per_sec")).or_default().push(rate);
-                    if batch {
-                        batched = batched.max(rate);
-                    } else {
-                        per_job = per_job.max(rate);
-                    }
+                    drains.entry(format!("drain_{label}_{workers}w_{name}_jobs_per_sec")).or_default().push(rate);
+                    let best = match mode {
+                        Mode::PerJob => &mut per_job,
+                        Mode::PerJobDeleting => &mut deleting,
+                        Mode::Batched => &mut batched,
+                    };
+                    *best = best.max(rate);
                 }
             }
         }
         per_jobs.push(per_job);
+        deletings.push(deleting);
         batcheds.push(batched);
         per_job_ratios.push(per_job / c1);
+        deleting_ratios.push(deleting / c1);
         batched_ratios.push(batched / c100);
     }
     if !c1s.is_empty() {
@@ -530,6 +582,8 @@ async fn main() -> anyhow::Result<()> {
         put(&mut results, "drain_jobs_per_sec", median(per_jobs));
         put(&mut results, "batched_drain_jobs_per_sec", median(batcheds));
         put(&mut results, "drain_ratio_to_ceiling", median(per_job_ratios));
+        put(&mut results, "drain_deleting_jobs_per_sec", median(deletings));
+        put(&mut results, "drain_deleting_ratio_to_ceiling", median(deleting_ratios));
         put(&mut results, "batched_drain_ratio_to_ceiling", median(batched_ratios));
     }
 
@@ -565,8 +619,8 @@ async fn main() -> anyhow::Result<()> {
         let mut small_rates = Vec::new();
         let mut big_rates = Vec::new();
         for _ in 0..r {
-            let (a, _) = drain(&args, args.small, 1, false, 10_000).await?;
-            let (b, rss) = drain(&args, args.small, 1, false, args.growth_rows).await?;
+            let (a, _) = drain(&args, args.small, 1, Mode::PerJob, 10_000).await?;
+            let (b, rss) = drain(&args, args.small, 1, Mode::PerJob, args.growth_rows).await?;
             rss_seen = rss_seen.max(rss);
             eprintln!("  10k completed: {a:.0}/s, {} completed: {b:.0}/s", args.growth_rows);
             small_rates.push(a);
@@ -710,7 +764,8 @@ async fn main() -> anyhow::Result<()> {
         [part] if part == "history" || part == "fresh" => Some(part.as_str()),
         _ => None,
     };
-    let partial = (!args.only.is_empty() && own_file.is_none()) || args.modes.len() < 2 || args.workers != [1, 2];
+    let partial =
+        (!args.only.is_empty() && own_file.is_none()) || args.modes.len() < Mode::ALL.len() || args.workers != [1, 2];
     if partial {
         let mut table = String::new();
         for (k, v) in &results {

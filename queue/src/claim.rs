@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{FromRow, Row};
 
 use crate::job::{Job, QueueError};
-use crate::lease::{COMPLETE_ONE_SQL, COMPLETE_SQL, Lease};
+use crate::lease::{Lease, completion_sql};
 use crate::pauses::paused_queues;
 
 /// Which queues a claim may take from.
@@ -180,7 +180,7 @@ pub fn complete_and_claim_sql(paused: &[String], bounded: bool, one: bool) -> St
          SELECT d.done_ids, d.done_attempts, c.* \
          FROM (SELECT array_agg(id) AS done_ids, array_agg(attempt) AS done_attempts FROM done) d \
          LEFT JOIN claimed c ON true",
-        if one { COMPLETE_ONE_SQL } else { COMPLETE_SQL }.replace("{ids}", ids).replace("{attempts}", attempts),
+        completion_sql(one).replace("{ids}", ids).replace("{attempts}", attempts),
         claim_sql(paused, bounded)
     )
 }

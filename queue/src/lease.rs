@@ -101,15 +101,19 @@ pub const MARK_EFFECT_STARTED_SQL: &str = r#"UPDATE jobs SET effect_started_at =
 pub const COMPLETE_HELD_SQL: &str =
     concat!("UPDATE jobs SET ", completed!(), " WHERE id = $1 AND attempt = $2 AND state = 'running'");
 
+/// [`COMPLETE_HELD_SQL`] where completions delete the row (see [`crate::set_delete_completed`]).
+pub const COMPLETE_HELD_DELETE_SQL: &str = "DELETE FROM jobs WHERE id = $1 AND attempt = $2 AND state = 'running'";
+
 /// Completes a held job.
 pub async fn complete(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), QueueError> {
-    let r = sqlx::query(COMPLETE_HELD_SQL).bind(lease.id).bind(lease.attempt).execute(db).await?;
+    let sql = if crate::deletes_completed() { COMPLETE_HELD_DELETE_SQL } else { COMPLETE_HELD_SQL };
+    let r = sqlx::query(sql).bind(lease.id).bind(lease.attempt).execute(db).await?;
     fenced(r, lease)
 }
 
 /// Completes the held jobs whose ids and attempts are the arrays `{ids}` and `{attempts}`,
 /// fenced on their leases, locking them in id order first; returns the ones completed.
-pub(crate) const COMPLETE_SQL: &str = concat!(
+const COMPLETE_SQL: &str = concat!(
     "UPDATE jobs d SET ",
     completed!(),
     " FROM ",
@@ -119,18 +123,45 @@ pub(crate) const COMPLETE_SQL: &str = concat!(
 
 /// [`COMPLETE_SQL`] for one job: a statement that waits for one row lock and holds no other
 /// lock of a held job cannot deadlock, and does without the sort and second lookup.
-pub(crate) const COMPLETE_ONE_SQL: &str = concat!(
+const COMPLETE_ONE_SQL: &str = concat!(
     "UPDATE jobs d SET ",
     completed!(),
     " FROM unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)",
     " WHERE d.id = t.id AND d.attempt = t.attempt AND d.state = 'running' RETURNING d.id, d.attempt"
 );
 
+/// [`COMPLETE_SQL`] where completions delete the row.
+const COMPLETE_DELETE_SQL: &str = concat!(
+    "DELETE FROM jobs d USING ",
+    held_in_id_order!("{ids}", "{attempts}"),
+    " WHERE d.id = held.id AND d.state = 'running' RETURNING d.id, d.attempt"
+);
+
+/// [`COMPLETE_ONE_SQL`] where completions delete the row.
+const COMPLETE_ONE_DELETE_SQL: &str = concat!(
+    "DELETE FROM jobs d USING unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)",
+    " WHERE d.id = t.id AND d.attempt = t.attempt AND d.state = 'running' RETURNING d.id, d.attempt"
+);
+
+/// The statement that completes the held jobs of the arrays `{ids}` and `{attempts}`
+/// (`one`: a single job, which needs no lock order), as this process completes them
+/// (see [`crate::set_delete_completed`]); it returns the `(id, attempt)` of each one completed.
+pub(crate) fn completion_sql(one: bool) -> &'static str {
+    match (crate::deletes_completed(), one) {
+        (false, false) => COMPLETE_SQL,
+        (false, true) => COMPLETE_ONE_SQL,
+        (true, false) => COMPLETE_DELETE_SQL,
+        (true, true) => COMPLETE_ONE_DELETE_SQL,
+    }
+}
+
 /// The statement of [`complete_many`]: completes the held jobs whose ids and attempts are
 /// the arrays `$1` and `$2`.
 pub fn complete_many_sql() -> &'static str {
-    static SQL: LazyLock<String> = LazyLock::new(|| COMPLETE_SQL.replace("{ids}", "$1").replace("{attempts}", "$2"));
-    SQL.as_str()
+    static KEEP: LazyLock<String> = LazyLock::new(|| COMPLETE_SQL.replace("{ids}", "$1").replace("{attempts}", "$2"));
+    static DELETE: LazyLock<String> =
+        LazyLock::new(|| COMPLETE_DELETE_SQL.replace("{ids}", "$1").replace("{attempts}", "$2"));
+    if crate::deletes_completed() { DELETE.as_str() } else { KEEP.as_str() }
 }
 
 /// Completes many held jobs in one statement; returns the leases that were still held

@@ -45,12 +45,31 @@ macro_rules! held_in_id_order {
     };
 }
 
+/// Whether this process's completions delete the job's row instead of keeping it.
+static DELETE_COMPLETED: AtomicBool = AtomicBool::new(false);
+
+/// Makes every completion this process makes delete the job's row (`true`), as a queue
+/// that keeps no finished work does, instead of keeping it `completed` until retention
+/// prunes it (`false`, the default). Failed, parked and cancelled jobs are kept either way.
+/// A worker sets it once, at start, from `retention.delete_completed_jobs`: every
+/// statement of this crate that completes a job reads it.
+pub fn set_delete_completed(on: bool) {
+    DELETE_COMPLETED.store(on, Ordering::Relaxed);
+}
+
+/// Whether completions delete the job's row (see [`set_delete_completed`]).
+pub fn deletes_completed() -> bool {
+    DELETE_COMPLETED.load(Ordering::Relaxed)
+}
+
 /// What completing a held job sets.
 macro_rules! completed {
     () => {
         "state = 'completed', finished_at = now(), lease_owner = NULL, lease_expires_at = NULL, effect_started_at = NULL"
     };
 }
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 pub mod claim;
 pub mod enqueue;
@@ -68,9 +87,9 @@ pub use claim::{Claim, ClaimFilter, ClaimFrom, claim_batch, claim_sql, complete_
 pub use enqueue::{enqueue, enqueue_many, enqueue_many_quiet};
 pub use job::{DEFAULT_QUEUE, EffectClass, Enqueued, Job, JobAction, JobState, NewJob, QueueError, next};
 pub use lease::{
-    COMPLETE_HELD_SQL, ENSURE_HELD_SQL, FailOutcome, HEARTBEAT_MANY_SQL, HEARTBEAT_SQL, Lease, MARK_EFFECT_STARTED_SQL,
-    complete, complete_many, complete_many_sql, ensure_held, fail, heartbeat, heartbeat_many, mark_effect_started,
-    park, release, snooze,
+    COMPLETE_HELD_DELETE_SQL, COMPLETE_HELD_SQL, ENSURE_HELD_SQL, FailOutcome, HEARTBEAT_MANY_SQL, HEARTBEAT_SQL,
+    Lease, MARK_EFFECT_STARTED_SQL, complete, complete_many, complete_many_sql, ensure_held, fail, heartbeat,
+    heartbeat_many, mark_effect_started, park, release, snooze,
 };
 pub use operate::{
     QueueCount, StateCount, cancel, count_by_kind_state, count_by_queue_state, find_live, get, list, retry_now,

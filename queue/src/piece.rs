@@ -24,15 +24,22 @@ pub type Builder = QueryBuilder<Postgres>;
 /// mark.
 pub fn mark_effect_started(qb: &mut Builder, cte: &str, leases: &[Lease]) {
     qb.push(cte).push(" AS (UPDATE jobs j SET effect_started_at = now()");
-    push_held_where(qb, leases);
+    push_held_where(qb, leases, "FROM");
     qb.push(" AND j.lease_expires_at > now() RETURNING j.id, j.attempt)");
 }
 
 /// Pushes `cte AS (…)`: completes each job held under `leases`. Yields `(id, attempt)` for
 /// each job completed; the others (lost leases) are left untouched. Join on both.
+/// As every completion of this process, it deletes the rows instead where
+/// [`crate::set_delete_completed`] says so.
 pub fn complete(qb: &mut Builder, cte: &str, leases: &[Lease]) {
-    qb.push(cte).push(concat!(" AS (UPDATE jobs j SET ", completed!()));
-    push_held_where(qb, leases);
+    if crate::deletes_completed() {
+        qb.push(cte).push(" AS (DELETE FROM jobs j");
+        push_held_where(qb, leases, "USING");
+    } else {
+        qb.push(cte).push(concat!(" AS (UPDATE jobs j SET ", completed!()));
+        push_held_where(qb, leases, "FROM");
+    }
     qb.push(" RETURNING j.id, j.attempt)");
 }
 
@@ -77,9 +84,10 @@ pub fn push_is_held(qb: &mut Builder, lease: Lease) {
 }
 
 /// ` FROM held WHERE …` (or ` WHERE …` for one lease): restricts an `UPDATE jobs j` to the
-/// jobs held under `leases`, still `running` at their epochs. One lease needs no lock order
-/// and keeps the plain fenced form; several are locked in id order first.
-fn push_held_where(qb: &mut Builder, leases: &[Lease]) {
+/// jobs held under `leases`, still `running` at their epochs (`join` is `FROM`, or `USING`
+/// for a `DELETE FROM jobs j`). One lease needs no lock order and keeps the plain fenced
+/// form; several are locked in id order first.
+fn push_held_where(qb: &mut Builder, leases: &[Lease], join: &str) {
     if let [one] = leases {
         qb.push(" WHERE j.id = ");
         qb.push_bind(one.id);
@@ -88,7 +96,7 @@ fn push_held_where(qb: &mut Builder, leases: &[Lease]) {
         qb.push(" AND j.state = 'running'");
         return;
     }
-    qb.push(" FROM (SELECT h.id FROM jobs h JOIN unnest(");
+    qb.push(" ").push(join).push(" (SELECT h.id FROM jobs h JOIN unnest(");
     qb.push_bind(leases.iter().map(|l| l.id).collect::<Vec<_>>());
     qb.push("::uuid[], ");
     qb.push_bind(leases.iter().map(|l| l.attempt).collect::<Vec<_>>());

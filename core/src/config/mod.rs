@@ -475,6 +475,9 @@ impl RunsConfig {
 pub struct RetentionConfig {
     /// Completed and cancelled jobs older than this are deleted; 0 keeps them forever.
     pub completed_jobs_hours: u64,
+    /// A job's completion deletes its row at once instead of keeping it `completed` for
+    /// `completed_jobs_hours` (failed, parked and cancelled jobs are kept either way).
+    pub delete_completed_jobs: bool,
     pub interval_seconds: u64,
     pub batch_size: i64,
     /// The period of one partition of `delivery_events` (the deliveries created in it).
@@ -493,6 +496,7 @@ impl Default for RetentionConfig {
     fn default() -> Self {
         Self {
             completed_jobs_hours: 24,
+            delete_completed_jobs: false,
             interval_seconds: 60,
             batch_size: 5000,
             event_partition_seconds: 7 * 86_400,

@@ -462,12 +462,18 @@ async fn writes_fenced_on_a_lease_find_their_rows_through_the_primary_key(pool: 
         qb.into_string()
     };
     let leases: Vec<queue::Lease> = held.iter().map(|j| j.lease()).collect();
-    let pieces = [
+    let mut pieces = vec![
         piece(queue::piece::mark_effect_started, &leases[..1]),
         piece(queue::piece::mark_effect_started, &leases),
         piece(queue::piece::complete, &leases[..1]),
         piece(queue::piece::complete, &leases),
     ];
+    // The forms of a process whose completions delete their rows.
+    queue::set_delete_completed(true);
+    pieces.push(piece(queue::piece::complete, &leases[..1]));
+    pieces.push(piece(queue::piece::complete, &leases));
+    let complete_many_deleting = queue::complete_many_sql();
+    queue::set_delete_completed(false);
     let statements = [
         ("heartbeat", queue::HEARTBEAT_SQL, format!("{one}, 30")),
         ("heartbeat_many", queue::HEARTBEAT_MANY_SQL, format!("{many}, 30")),
@@ -479,6 +485,10 @@ async fn writes_fenced_on_a_lease_find_their_rows_through_the_primary_key(pool: 
         ("piece::mark_effect_started of many", pieces[1].as_str(), many.clone()),
         ("piece::complete of one", pieces[2].as_str(), one.clone()),
         ("piece::complete of many", pieces[3].as_str(), many.clone()),
+        ("complete, deleting", queue::COMPLETE_HELD_DELETE_SQL, one.clone()),
+        ("complete_many, deleting", complete_many_deleting, many.clone()),
+        ("piece::complete of one, deleting", pieces[4].as_str(), one.clone()),
+        ("piece::complete of many, deleting", pieces[5].as_str(), many.clone()),
     ];
     let mut conn = pool.acquire().await.unwrap();
     for (name, sql, args) in statements {
@@ -538,6 +548,76 @@ async fn statements_over_many_held_jobs_never_deadlock_each_other(pool: PgPool) 
     let left: i64 =
         sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state <> 'completed'").fetch_one(&pool).await.unwrap();
     assert_eq!(left, 0);
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn completions_that_delete_leave_no_row_and_a_lost_lease_deletes_nothing(pool: PgPool) {
+    queue::set_delete_completed(true);
+    let key = "once";
+    enqueue(&pool, NewJob::new("t", json!({})).unique_key(key)).await;
+    for _ in 0..9 {
+        enqueue(&pool, NewJob::new("t", json!({}))).await;
+    }
+    let gone = |pool: PgPool, leases: Vec<queue::Lease>| async move {
+        let ids: Vec<JobId> = leases.iter().map(|l| l.id()).collect();
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE id = ANY ($1)")
+            .bind(&ids)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        n == 0
+    };
+    let held: Vec<queue::Lease> = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10, LEASE)
+        .await
+        .unwrap()
+        .iter()
+        .map(|j| j.lease())
+        .collect();
+    assert_eq!(held.len(), 10);
+    // One by one, and many in one statement.
+    queue::complete(&pool, held[0]).await.unwrap();
+    assert!(gone(pool.clone(), held[..1].to_vec()).await);
+    assert_eq!(queue::complete_many(&pool, &held[1..3]).await.unwrap().len(), 2);
+    assert!(gone(pool.clone(), held[1..3].to_vec()).await);
+    // Riding on a claim, for one job and for several.
+    let filter = ClaimFilter::default();
+    let claim = queue::Claim { owner: "w", filter: &filter, limit: 0, lease: LEASE, paused: &[], from: None };
+    let (_, done) = queue::complete_and_claim(&pool, &claim, &held[3..4]).await.unwrap();
+    assert_eq!(done, held[3..4].to_vec());
+    let (_, done) = queue::complete_and_claim(&pool, &claim, &held[4..6]).await.unwrap();
+    assert_eq!(done.len(), 2);
+    assert!(gone(pool.clone(), held[3..6].to_vec()).await);
+    // Another crate's statement, through the piece, for one job and for several.
+    for leases in [&held[6..7], &held[7..9]] {
+        let mut qb = queue::piece::Builder::new("WITH ");
+        queue::piece::complete(&mut qb, "p", leases);
+        qb.push(" SELECT count(*) FROM p");
+        let n: i64 = qb.build_query_scalar().fetch_one(&pool).await.unwrap();
+        assert_eq!(n, leases.len() as i64);
+        assert!(gone(pool.clone(), leases.to_vec()).await);
+    }
+    // The unique key of a job completed is free again.
+    assert!(enqueue(&pool, NewJob::new("t", json!({})).unique_key(key)).await.inserted);
+
+    // A lease taken over deletes nothing, by any form: the new holder's job stays.
+    let last = held[9];
+    expire_lease(&pool, last.id()).await;
+    assert_eq!(rescue(&pool).await.len(), 1);
+    make_due(&pool, last.id()).await;
+    let again = queue::claim_batch(&pool, "w2", &ClaimFilter::default(), 10, LEASE).await.unwrap();
+    let taken = again.iter().find(|j| j.id == last.id()).expect("claimed again").lease();
+    assert!(matches!(queue::complete(&pool, last).await, Err(QueueError::LeaseLost { .. })));
+    assert!(queue::complete_many(&pool, &[last]).await.unwrap().is_empty());
+    let (_, done) = queue::complete_and_claim(&pool, &claim, &[last]).await.unwrap();
+    assert!(done.is_empty());
+    let state: JobState =
+        sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1").bind(last.id()).fetch_one(&pool).await.unwrap();
+    assert_eq!(state, JobState::Running, "the new holder's job is untouched");
+    // A failure is kept: only a completion deletes.
+    assert_eq!(queue::fail(&pool, taken, "boom", true, None).await.unwrap(), FailOutcome::Failed);
+    let state: JobState =
+        sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1").bind(last.id()).fetch_one(&pool).await.unwrap();
+    assert_eq!(state, JobState::Failed);
 }
 
 /// Buffers the scan of the claim index touches in one claim of up to 10 jobs, from the
@@ -666,6 +746,7 @@ pub(crate) fn settings(id: &str, poll: Duration) -> airlock_worker::WorkerSettin
         rescue_interval: Duration::from_secs(3600),
         heartbeat_interval: Duration::from_secs(5),
         retention: None,
+        delete_completed: false,
         retention_interval: Duration::from_secs(3600),
         retention_batch: 100,
         first_analyze: None,
@@ -912,18 +993,26 @@ async fn a_worker_that_does_not_prefetch_leaves_what_it_cannot_run_to_others(poo
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn batched_claims_and_completions_finish_every_job_once(pool: PgPool) {
-    finish_2000_jobs(pool, 64, 32).await;
+    finish_2000_jobs(pool, 64, 32, false).await;
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn per_job_claims_carrying_completions_finish_every_job_once(pool: PgPool) {
     // One claim per free slot: each finished job's completion rides on its slot's next claim.
-    finish_2000_jobs(pool, 1, 1).await;
+    finish_2000_jobs(pool, 1, 1, false).await;
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn completions_that_delete_their_rows_finish_every_job_once(pool: PgPool) {
+    // Per job (the completion rides on the next claim) and batched: nothing is left behind.
+    finish_2000_jobs(pool.clone(), 1, 1, true).await;
+    finish_2000_jobs(pool, 64, 32, true).await;
 }
 
 /// Runs 2,000 no-op jobs through one worker claiming `claim_batch` and completing
-/// `complete_batch` at a time: each runs once, and each completion is counted once.
-async fn finish_2000_jobs(pool: PgPool, claim_batch: usize, complete_batch: usize) {
+/// `complete_batch` at a time (`deleting`: with `delete_completed`, so that a completion
+/// deletes its row): each runs once, and each completion is counted once.
+async fn finish_2000_jobs(pool: PgPool, claim_batch: usize, complete_batch: usize, deleting: bool) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut registry = airlock_worker::Registry::new();
     let record = seen.clone();
@@ -942,17 +1031,21 @@ async fn finish_2000_jobs(pool: PgPool, claim_batch: usize, complete_batch: usiz
     let mut s = settings("batch-test", Duration::from_millis(50));
     s.claim_batch = claim_batch;
     s.complete_batch = complete_batch;
+    s.delete_completed = deleting;
     let worker = airlock_worker::Worker::new(pool.clone(), registry, s);
     let stats: Stats = worker.stats();
     let stop = tokio_util::sync::CancellationToken::new();
     let run = tokio::spawn(worker.run(stop.clone()));
+    // Kept, every job ends `completed`; deleted, none is left (a failed one would stay).
+    let done = if deleting {
+        "SELECT 2000 - count(*) FROM jobs"
+    } else {
+        "SELECT count(*) FROM jobs WHERE state = 'completed'"
+    };
     airlock_tests::harness::wait_for("2000 completed jobs", Duration::from_secs(120), || {
         let pool = pool.clone();
         async move {
-            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'completed'")
-                .fetch_one(&pool)
-                .await
-                .unwrap();
+            let n: i64 = sqlx::query_scalar(done).fetch_one(&pool).await.unwrap();
             (n == 2000).then_some(())
         }
     })

@@ -79,6 +79,8 @@ pub struct WorkerSettings {
     pub heartbeat_interval: Duration,
     /// Delete completed/cancelled jobs older than this; `None` keeps them.
     pub retention: Option<Duration>,
+    /// Completions delete the job's row at once (see [`airlock_queue::set_delete_completed`]).
+    pub delete_completed: bool,
     pub retention_interval: Duration,
     pub retention_batch: i64,
     /// Analyze a table never analyzed once this many of its rows are written; `None`
@@ -107,6 +109,7 @@ impl WorkerSettings {
                 0 => None,
                 h => Some(Duration::from_secs(h * 3600)),
             },
+            delete_completed: cfg.retention.delete_completed_jobs,
             retention_interval: Duration::from_secs(cfg.retention.interval_seconds.max(1)),
             retention_batch: cfg.retention.batch_size,
             first_analyze: Some(w.first_analyze_rows).filter(|&n| n > 0),
@@ -189,6 +192,7 @@ impl Worker {
     /// Runs until `shutdown` fires, then drains and returns.
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let s = &self.settings;
+        airlock_queue::set_delete_completed(s.delete_completed);
         airlock_queue::fleet::register(&self.pool, &s.id, &hostname(), s.queues.as_deref(), s.concurrency as i32)
             .await?;
         tracing::info!(worker.id = %s.id, concurrency = s.concurrency, "worker started");

@@ -369,6 +369,47 @@ pub struct Steady {
     pub approve_to_sent_ms: Vec<f64>,
     /// The reviewer's reads beside it, when asked for.
     pub reads: Option<Reads>,
+    /// What the server wrote and read, per delivery, from the first submission to the
+    /// last receipt.
+    pub io: Io,
+}
+
+/// What the server wrote to its WAL (the whole cluster's: nothing else runs) and what the
+/// measured database read from outside its shared buffers: counters, or their growth per
+/// delivery. The counters are the statistics system's, which a backend flushes at the end
+/// of its transactions at most once a second, so a reading misses the last second or so.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Io {
+    pub wal_records: f64,
+    /// Full-page images: the first change of a page after a checkpoint writes it whole.
+    pub wal_fpi: f64,
+    pub wal_bytes: f64,
+    /// Blocks read from outside shared buffers (the OS's cache or the disk).
+    pub blks_read: f64,
+    pub blks_hit: f64,
+}
+
+impl Io {
+    pub async fn read(pool: &sqlx::PgPool) -> anyhow::Result<Io> {
+        let (wal_records, wal_fpi, wal_bytes, blks_read, blks_hit) = sqlx::query_as(
+            "SELECT w.wal_records::float8, w.wal_fpi::float8, w.wal_bytes::float8, d.blks_read::float8, d.blks_hit::float8
+             FROM pg_stat_wal w, pg_stat_database d WHERE d.datname = current_database()",
+        )
+        .fetch_one(pool)
+        .await?;
+        Ok(Io { wal_records, wal_fpi, wal_bytes, blks_read, blks_hit })
+    }
+
+    /// The growth since `before`, per one of `n`.
+    pub fn per(self, before: Io, n: f64) -> Io {
+        Io {
+            wal_records: (self.wal_records - before.wal_records) / n,
+            wal_fpi: (self.wal_fpi - before.wal_fpi) / n,
+            wal_bytes: (self.wal_bytes - before.wal_bytes) / n,
+            blks_read: (self.blks_read - before.blks_read) / n,
+            blks_hit: (self.blks_hit - before.blks_hit) / n,
+        }
+    }
 }
 
 /// `rate` deliveries a second for `seconds` on `db`, switch on, no grant: each waits for
@@ -388,6 +429,7 @@ pub async fn steady(
     let reads_done = Arc::new(AtomicBool::new(false));
     let reader = if reads { Some(Reads::start(&stack, db, &reads_done).await?) } else { None };
     let reviewer = tokio::spawn(approve_all(stack.clone(), n, done.clone()));
+    let io_before = Io::read(&db.pool).await?;
     let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut posts = tokio::task::JoinSet::new();
@@ -411,6 +453,7 @@ pub async fn steady(
         }
     };
     wait_sent(db, &stack.agent_id, n).await?;
+    let io = Io::read(&db.pool).await?.per(io_before, n as f64);
     reads_done.store(true, Ordering::Relaxed);
     let reads = match reader {
         Some(r) => Some(r.await??),
@@ -438,7 +481,7 @@ pub async fn steady(
         v.sort_by(f64::total_cmp);
     }
     Arc::into_inner(stack).context("the stack is still in use")?.stop();
-    Ok(Steady { submit_ms, scored_ms, approve_to_sent_ms, reads })
+    Ok(Steady { submit_ms, scored_ms, approve_to_sent_ms, reads, io })
 }
 
 /// The reviewer: approves every delivery of the stack's agent as soon as the list of those

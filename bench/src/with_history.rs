@@ -57,7 +57,7 @@ async fn side(args: &Args, db: &mut Db, with_history: bool) -> anyhow::Result<Si
     if with_history {
         scans = seq_scans(db).await?.since(&before.context("read before")?);
     }
-    let (drain, _) = drain_on(args, db, DRAIN_JOBS, 1, false).await?;
+    let (drain, _) = drain_on(args, db, DRAIN_JOBS, 1, crate::Mode::PerJob).await?;
     Ok(Side { pipeline, steady, runs, drain, reads, scans })
 }
 
@@ -88,7 +88,7 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
     put(results, "history_database_mib", bytes as f64 / 1048576.0);
 
     let mut report = plans(&hist).await?;
-    let mut figures: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+    let mut figures: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut scans: BTreeMap<String, i64> = BTreeMap::new();
     for i in 0..reps {
         // Which side goes first alternates, so a drift of the machine's speed over the
@@ -134,7 +134,7 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
             p99(&at50.get_ms),
             history_first,
         );
-        let mut add = |k: &'static str, v: f64| figures.entry(k).or_default().push(v);
+        let mut add = |k: &str, v: f64| figures.entry(k.to_string()).or_default().push(v);
         add("pipeline_history_deliveries_per_sec", f.pipeline.rate);
         add("pipeline_empty_deliveries_per_sec", e.pipeline.rate);
         add("pipeline_history_ratio", f.pipeline.rate / e.pipeline.rate);
@@ -161,9 +161,19 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
         add("run_steps_history_ratio", f.runs.steps_per_sec / e.runs.steps_per_sec);
         add("drain_history_jobs_per_sec", f.drain);
         add("drain_history_ratio", f.drain / e.drain);
+        for (side, io) in [("history", f.steady.io), ("empty", e.steady.io)] {
+            let mut add_io = |what: &str, v: f64| {
+                figures.entry(format!("steady_{what}_per_delivery_{side}")).or_default().push(v);
+            };
+            add_io("wal_kib", io.wal_bytes / 1024.0);
+            add_io("wal_fpi", io.wal_fpi);
+            add_io("wal_records", io.wal_records);
+            add_io("blocks_read", io.blks_read);
+            add_io("blocks_hit", io.blks_hit);
+        }
     }
     for (k, v) in figures {
-        put(results, k, median(v));
+        put(results, &k, median(v));
     }
     if !results.contains_key("run_steps_per_sec") {
         let v = results["run_steps_per_sec_empty"].as_f64().unwrap_or(f64::NAN);

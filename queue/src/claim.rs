@@ -22,7 +22,8 @@ pub struct ClaimFilter {
 /// The claim statement: `$1` owner, `$2` queues (NULL: every queue), `$3` limit, `$4`
 /// lease seconds; `{paused}` is empty or a filter that skips the paused queues; `{from}`
 /// is empty or, for a bounded claim, `(priority, run_at) >= ($5, $6)`, where the index
-/// scan starts (see [`ClaimFrom`]).
+/// scan starts, and `xmax = '0'`, rows untouched since they were written (see
+/// [`ClaimFrom`]).
 ///
 /// Its plan walks the partial index `jobs_claim_idx` in claim order and stops after `$3`
 /// rows, whatever the backlog (a test checks it with `EXPLAIN`, custom and generic):
@@ -58,6 +59,16 @@ const CLAIM_SQL: &str = r#"
 /// A worker that notices its claims slowing down starts them a little behind the last
 /// job it claimed instead (see the worker's claim cursor), and still runs an unbounded
 /// claim regularly for what sorts earlier.
+///
+/// A bounded claim also passes over every version that a transaction has updated or
+/// locked since it was written (`xmax` set). Under load, most entries a claim meets at the
+/// front of the index are jobs that other claims took after this statement's snapshot
+/// was taken: their version still reads `available`, and `FOR UPDATE` would follow it to
+/// the job's newest, `running` version and lock that before finding it no longer
+/// available, holding the lock until its own commit, so the job's holder, completing it,
+/// waits for a stranger's commit. A version whose updater or locker aborted keeps its
+/// `xmax` too and would never be taken by a bounded claim: the unbounded one, which never
+/// looks at `xmax`, takes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClaimFrom {
     pub priority: i16,
@@ -66,7 +77,7 @@ pub struct ClaimFrom {
 
 /// The claim statement skipping `paused`, bounded (`$5`, `$6`, see [`ClaimFrom`]) or not.
 pub fn claim_sql(paused: &[String], bounded: bool) -> String {
-    let from = if bounded { "AND (priority, run_at) >= ($5, $6)" } else { "" };
+    let from = if bounded { "AND (priority, run_at) >= ($5, $6) AND xmax = '0'" } else { "" };
     let sql = CLAIM_SQL.replace("{from}", from);
     if paused.is_empty() {
         return sql.replace("{paused}", "");

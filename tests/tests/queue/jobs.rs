@@ -620,6 +620,31 @@ async fn completions_that_delete_leave_no_row_and_a_lost_lease_deletes_nothing(p
     assert_eq!(state, JobState::Failed);
 }
 
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_job_an_aborted_transaction_touched_is_left_by_bounded_claims_and_taken_by_an_unbounded_one(pool: PgPool) {
+    let touched = enqueue(&pool, NewJob::new("t", json!({}))).await.id;
+    let other = enqueue(&pool, NewJob::new("t", json!({}))).await.id;
+    // A claim that locked the job and rolled back (a statement that failed after its
+    // lock, a connection that dropped) leaves its transaction id on the job's version.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM jobs WHERE id = $1 FOR UPDATE").bind(touched).execute(&mut *tx).await.unwrap();
+    tx.rollback().await.unwrap();
+    let xmax: String =
+        sqlx::query_scalar("SELECT xmax::text FROM jobs WHERE id = $1").bind(touched).fetch_one(&pool).await.unwrap();
+    assert_ne!(xmax, "0", "the aborted lock is on the version");
+
+    let filter = ClaimFilter::default();
+    let from = queue::ClaimFrom { priority: 100, run_at: chrono::Utc::now() - chrono::TimeDelta::minutes(10) };
+    let bounded = queue::Claim { owner: "w", filter: &filter, limit: 10, lease: LEASE, paused: &[], from: Some(from) };
+    let (jobs, _) = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap();
+    assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![other], "a bounded claim passes over it");
+    let (jobs, _) = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap();
+    assert!(jobs.is_empty(), "and keeps passing over it");
+    let unbounded = queue::Claim { from: None, ..bounded };
+    let (jobs, _) = queue::complete_and_claim(&pool, &unbounded, &[]).await.unwrap();
+    assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![touched], "an unbounded claim takes it");
+}
+
 /// Buffers the scan of the claim index touches in one claim of up to 10 jobs, from the
 /// front of the index or from `from`; the claim is rolled back.
 async fn claim_buffers(pool: &PgPool, from: Option<queue::ClaimFrom>) -> i64 {

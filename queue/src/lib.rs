@@ -27,6 +27,8 @@
 //! - The rescuer returns expired `pure`/`idempotent` jobs to `available` (with backoff) or
 //!   `failed`; a `non_repeatable` job whose effect may have started goes to `parked`.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 /// The held jobs among the arrays of ids `$ids` and attempts `$attempts`, locked in id
 /// order, as `held(id)`: what a statement over many held jobs joins, so that two of them
 /// on overlapping jobs (a worker's heartbeat and its completions) take their locks in the
@@ -68,8 +70,6 @@ macro_rules! completed {
         "state = 'completed', finished_at = now(), lease_owner = NULL, lease_expires_at = NULL, effect_started_at = NULL"
     };
 }
-
-use std::sync::atomic::{AtomicBool, Ordering};
 
 pub mod claim;
 pub mod enqueue;

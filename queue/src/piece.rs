@@ -30,8 +30,8 @@ pub fn mark_effect_started(qb: &mut Builder, cte: &str, leases: &[Lease]) {
 
 /// Pushes `cte AS (…)`: completes each job held under `leases`. Yields `(id, attempt)` for
 /// each job completed; the others (lost leases) are left untouched. Join on both.
-/// As every completion of this process, it deletes the rows instead where
-/// [`crate::set_delete_completed`] says so.
+/// Like every completion of this process, it deletes the rows instead while
+/// [`crate::set_delete_completed`] is on.
 pub fn complete(qb: &mut Builder, cte: &str, leases: &[Lease]) {
     if crate::deletes_completed() {
         qb.push(cte).push(" AS (DELETE FROM jobs j");

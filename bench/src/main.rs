@@ -357,19 +357,19 @@ async fn drain_on(args: &Args, db: &Db, n: i64, workers: usize, mode: Mode) -> a
     // Poll what is left through the partial indexes (a count of completed rows would scan
     // the growing table and slow the very drain it measures), then check nothing was lost.
     // The drain ends when its last job was completed, on the database's clock.
-    let rate = if deleting {
+    let poll = if deleting { DELETING_POLL } else { MEASURED_POLL };
+    wait_every(&db.pool, DRAINED, 1, Duration::from_secs(1800), poll).await?;
+    let end = if deleting {
         // A completion leaves no row to date it: the end is when the poll, every few
         // milliseconds, first finds nothing left, and nothing is lost when no job of the
         // drain is left at all (a failed one would stay, and nothing else deletes them).
-        wait_every(&db.pool, DRAINED, 1, Duration::from_secs(1800), DELETING_POLL).await?;
         let end = db_clock(&db.pool).await?;
         let left = count(&db.pool, "SELECT count(*) FROM jobs WHERE queue = 'bench'").await?;
         if left != 0 {
             bail!("drain lost jobs: {left} of the drain's jobs left, none expected");
         }
-        n as f64 / (end - start)
+        end
     } else {
-        wait_every(&db.pool, DRAINED, 1, Duration::from_secs(1800), MEASURED_POLL).await?;
         let (after, end): (i64, f64) = sqlx::query_as(
             "SELECT count(*), extract(epoch FROM max(finished_at))::float8 FROM jobs WHERE state = 'completed'",
         )
@@ -378,8 +378,9 @@ async fn drain_on(args: &Args, db: &Db, n: i64, workers: usize, mode: Mode) -> a
         if after != before + n {
             bail!("drain lost jobs: {} completed, {} expected", after - before, n);
         }
-        n as f64 / (end - start)
+        end
     };
+    let rate = n as f64 / (end - start);
     let rss = peak_rss_mib(&procs);
     for p in procs {
         p.stop();

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 mod fresh;
 mod mcp;
+mod peer;
 mod runs;
 mod sandbox;
 mod service;
@@ -94,14 +95,23 @@ struct Args {
     #[arg(long, default_value_t = 300)]
     sandbox_runs: usize,
     /// Measure only these parts (ceiling, drain, enqueue, latency, growth, pipeline, runs, turns,
-    /// sandbox, mcp, history, fresh), for profiling; a partial run (of parts, modes or worker
-    /// counts) prints its table but writes no result file, except `--only history` and
-    /// `--only fresh`, which write `<date>-history.json` and `<date>-fresh.json`.
+    /// sandbox, mcp, history, fresh, peer), for profiling; a partial run (of parts, modes or
+    /// worker counts) prints its table but writes no result file, except `--only history`,
+    /// `--only fresh` and `--only peer` (the ceiling and the small set's per-job drains beside
+    /// graphile-worker's), which write `<date>-<part>.json`.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
-    /// Drain modes to measure (per_job, per_job_deleting, batched), for profiling one of them.
-    #[arg(long, value_delimiter = ',', default_value = "per_job,per_job_deleting,batched")]
+    /// Drain modes to measure (per_job, per_job_deleting, batched, graphile), for profiling one
+    /// of them; `graphile` runs only with `--graphile-dir`.
+    #[arg(long, value_delimiter = ',', default_value = "per_job,per_job_deleting,batched,graphile")]
     modes: Vec<String>,
+    /// Directory with `graphile-drain.cjs` and its installed packages (`bench/peer` after
+    /// `npm ci`): the `graphile` drain mode runs graphile-worker there, beside airlock's.
+    #[arg(long)]
+    graphile_dir: Option<PathBuf>,
+    /// Node.js binary for the `graphile` drain mode.
+    #[arg(long, default_value = "node")]
+    node: String,
     /// Worker process counts for the drains, for profiling one of them.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     workers: Vec<usize>,
@@ -109,7 +119,14 @@ struct Args {
 
 impl Args {
     fn wants(&self, part: &str) -> bool {
-        self.only.is_empty() || self.only.iter().any(|p| p == part)
+        self.only.is_empty()
+            || self.only.iter().any(|p| p == part || (p == "peer" && (part == "ceiling" || part == "drain")))
+    }
+
+    /// `--only peer`: the ceiling and the small set's per-job drains, airlock's and
+    /// graphile-worker's, in each repetition.
+    fn peer_only(&self) -> bool {
+        self.only == ["peer"]
     }
 }
 
@@ -188,6 +205,19 @@ impl Proc {
             .map_or(f64::NAN, |kib| kib / 1024.0)
     }
     fn stop(mut self) {
+        self.terminate();
+    }
+    /// CPU time the process has used so far (user and system), seconds.
+    fn cpu_seconds(&self) -> f64 {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap_or_default();
+        // Fields after the command's closing parenthesis; utime and stime are the 12th and
+        // 13th of them, in clock ticks (100 a second on Linux).
+        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+        let ticks: f64 = rest.split_whitespace().skip(11).take(2).filter_map(|t| t.parse::<f64>().ok()).sum();
+        if rest.is_empty() { f64::NAN } else { ticks / 100.0 }
+    }
+    /// Sends SIGTERM and waits up to 30 s for the process to exit.
+    fn terminate(&mut self) {
         let _ = Command::new("kill").arg("-TERM").arg(self.0.id().to_string()).status();
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
@@ -275,16 +305,19 @@ enum Mode {
     PerJobDeleting,
     /// 100 jobs per claim and per completion.
     Batched,
+    /// graphile-worker's processes instead of airlock's, one job per claim ([`peer`]).
+    Graphile,
 }
 
 impl Mode {
-    const ALL: [Mode; 3] = [Mode::PerJob, Mode::PerJobDeleting, Mode::Batched];
+    const ALL: [Mode; 4] = [Mode::PerJob, Mode::PerJobDeleting, Mode::Batched, Mode::Graphile];
 
     fn name(self) -> &'static str {
         match self {
             Mode::PerJob => "per_job",
             Mode::PerJobDeleting => "per_job_deleting",
             Mode::Batched => "batched",
+            Mode::Graphile => "graphile",
         }
     }
 }
@@ -382,6 +415,8 @@ async fn drain_on(args: &Args, db: &Db, n: i64, workers: usize, mode: Mode) -> a
     };
     let rate = n as f64 / (end - start);
     let rss = peak_rss_mib(&procs);
+    let cpu: f64 = procs.iter().map(Proc::cpu_seconds).sum();
+    eprintln!("    workers' CPU: {:.0} µs a job (start-up included)", cpu * 1e6 / n as f64);
     for p in procs {
         p.stop();
     }
@@ -515,12 +550,16 @@ async fn main() -> anyhow::Result<()> {
     // The machine's speed drifts over minutes (a shared host), so the ceiling is measured
     // again next to each repetition of the drains, and each ratio is taken within its
     // repetition: a drain is only ever compared with the ceiling measured beside it.
+    if args.peer_only() && args.graphile_dir.is_none() {
+        bail!("--only peer runs graphile-worker: give --graphile-dir (scripts/bench installs it in bench/peer)");
+    }
     let sets: Vec<(&str, i64)> =
         [("small", args.small), ("large", args.large)].into_iter().filter(|s| s.1 > 0).collect();
     let (mut c1s, mut c100s) = (Vec::new(), Vec::new());
     let mut drains: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     let (mut per_jobs, mut batcheds, mut per_job_ratios, mut batched_ratios) = (vec![], vec![], vec![], vec![]);
     let (mut deletings, mut deleting_ratios) = (vec![], vec![]);
+    let (mut graphiles, mut graphile_ratios, mut to_graphile) = (vec![], vec![], vec![]);
     for i in 0..r {
         let (mut c1, mut c100) = (f64::NAN, f64::NAN);
         if args.wants("ceiling") {
@@ -534,8 +573,11 @@ async fn main() -> anyhow::Result<()> {
         if !args.wants("drain") {
             continue;
         }
-        let (mut per_job, mut deleting, mut batched) = (f64::NAN, f64::NAN, f64::NAN);
+        let (mut per_job, mut deleting, mut batched, mut graphile) = (f64::NAN, f64::NAN, f64::NAN, f64::NAN);
         for (label, n) in &sets {
+            if args.peer_only() && *label == "large" {
+                continue;
+            }
             for &workers in &args.workers {
                 // Every other repetition measures the modes in the reverse order, so that a
                 // drift of the machine's speed over a repetition favours none of them.
@@ -545,7 +587,18 @@ async fn main() -> anyhow::Result<()> {
                 }
                 for mode in modes {
                     let name = mode.name();
-                    if !args.modes.iter().any(|m| m == name) {
+                    if !args.modes.iter().any(|m| m == name) || (args.peer_only() && mode == Mode::Batched) {
+                        continue;
+                    }
+                    if mode == Mode::Graphile {
+                        let Some(dir) = &args.graphile_dir else { continue };
+                        let rate = peer::drain(&args, dir, *n, workers).await?;
+                        eprintln!(
+                            "  repetition {}: drain {n} jobs, {workers} worker(s), {name}: {rate:.0} jobs/s",
+                            i + 1
+                        );
+                        drains.entry(format!("drain_{label}_{workers}w_{name}_jobs_per_sec")).or_default().push(rate);
+                        graphile = graphile.max(rate);
                         continue;
                     }
                     let (rate, rss) = drain(&args, *n, workers, mode, 0).await?;
@@ -559,6 +612,7 @@ async fn main() -> anyhow::Result<()> {
                         Mode::PerJob => &mut per_job,
                         Mode::PerJobDeleting => &mut deleting,
                         Mode::Batched => &mut batched,
+                        Mode::Graphile => unreachable!("measured above"),
                     };
                     *best = best.max(rate);
                 }
@@ -570,6 +624,11 @@ async fn main() -> anyhow::Result<()> {
         per_job_ratios.push(per_job / c1);
         deleting_ratios.push(deleting / c1);
         batched_ratios.push(batched / c100);
+        if !graphile.is_nan() {
+            graphiles.push(graphile);
+            graphile_ratios.push(graphile / c1);
+            to_graphile.push(per_job / graphile);
+        }
     }
     if !c1s.is_empty() {
         put(&mut results, "ceiling_claim1_jobs_per_sec", median(c1s));
@@ -586,6 +645,11 @@ async fn main() -> anyhow::Result<()> {
         put(&mut results, "drain_deleting_jobs_per_sec", median(deletings));
         put(&mut results, "drain_deleting_ratio_to_ceiling", median(deleting_ratios));
         put(&mut results, "batched_drain_ratio_to_ceiling", median(batched_ratios));
+        if !graphiles.is_empty() {
+            put(&mut results, "graphile_drain_jobs_per_sec", median(graphiles));
+            put(&mut results, "graphile_drain_ratio_to_ceiling", median(graphile_ratios));
+            put(&mut results, "drain_ratio_to_graphile", median(to_graphile));
+        }
     }
 
     if args.wants("enqueue") {
@@ -762,7 +826,7 @@ async fn main() -> anyhow::Result<()> {
     });
     // One of the parts that keep a result file of their own.
     let own_file = match args.only.as_slice() {
-        [part] if part == "history" || part == "fresh" => Some(part.as_str()),
+        [part] if part == "history" || part == "fresh" || part == "peer" => Some(part.as_str()),
         _ => None,
     };
     let partial =

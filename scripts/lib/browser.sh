@@ -4,6 +4,17 @@
 # Source this file, then call `airlock_browser_deps`; it exports AIRLOCK_TEST_CHROMIUM and
 # AIRLOCK_TEST_NODE_MODULES, which the browser suites use.
 
+# Installs the npm packages $1/package-lock.json pins into $1/node_modules, unless they are
+# already there at that lock.
+airlock_npm_ci() {
+  local dir=$1
+  if ! cmp -s "$dir/package-lock.json" "$dir/node_modules/.package-lock.json.installed"; then
+    echo "installing the pinned npm packages of $dir" >&2
+    npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error >&2
+    cp "$dir/package-lock.json" "$dir/node_modules/.package-lock.json.installed"
+  fi
+}
+
 airlock_browser_deps() {
   local missing=()
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)
@@ -15,11 +26,7 @@ airlock_browser_deps() {
     apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
   fi
   local dir=tests/browser
-  if ! cmp -s "$dir/package-lock.json" "$dir/node_modules/.package-lock.json.installed"; then
-    echo "browser: installing the pinned npm packages of $dir" >&2
-    PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error >&2
-    cp "$dir/package-lock.json" "$dir/node_modules/.package-lock.json.installed"
-  fi
+  PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 airlock_npm_ci "$dir"
   AIRLOCK_TEST_CHROMIUM="$(command -v chromium)"
   AIRLOCK_TEST_NODE_MODULES="$(cd "$dir/node_modules" && pwd)"
   export AIRLOCK_TEST_CHROMIUM AIRLOCK_TEST_NODE_MODULES

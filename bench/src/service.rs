@@ -2,7 +2,7 @@
 //! its throughput (with the reviewer's reads timed beside it when the database has a
 //! history), and the latencies of a steady rate that a reviewer approves by hand.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
@@ -372,6 +372,8 @@ pub struct Steady {
     /// What the server wrote and read, per delivery, from the first submission to the
     /// last receipt.
     pub io: Io,
+    /// The blocks each table and index was read for, per delivery, over the same span.
+    pub touched: Touched,
 }
 
 /// What the server wrote to its WAL (the whole cluster's: nothing else runs) and what the
@@ -412,6 +414,35 @@ impl Io {
     }
 }
 
+/// The blocks each table and each index of the measured database has been read for,
+/// from shared buffers or from outside them (`pg_statio_user_tables`' heap blocks and
+/// `pg_statio_user_indexes`), by `table` or `table.index`: or their growth per delivery,
+/// which names where the work a delivery costs went. The same flushing as [`Io`]'s.
+#[derive(Debug, Clone, Default)]
+pub struct Touched(pub BTreeMap<String, f64>);
+
+impl Touched {
+    pub async fn read(pool: &sqlx::PgPool) -> anyhow::Result<Touched> {
+        let rows: Vec<(String, f64)> = sqlx::query_as(
+            "SELECT relname::text, (heap_blks_hit + heap_blks_read)::float8 FROM pg_statio_user_tables
+             UNION ALL
+             SELECT relname || '.' || indexrelname, (idx_blks_hit + idx_blks_read)::float8 FROM pg_statio_user_indexes",
+        )
+        .fetch_all(pool)
+        .await?;
+        Ok(Touched(rows.into_iter().collect()))
+    }
+
+    /// The growth since `before`, per one of `n`.
+    pub fn per(self, before: &Touched, n: f64) -> Touched {
+        let grown = |(k, v): (String, f64)| {
+            let was = before.0.get(&k).copied().unwrap_or(0.0);
+            (k, (v - was) / n)
+        };
+        Touched(self.0.into_iter().map(grown).collect())
+    }
+}
+
 /// `rate` deliveries a second for `seconds` on `db`, switch on, no grant: each waits for
 /// approval, which a reviewer gives as soon as the review list shows it (polled every
 /// 20 ms); the relay answers each message after `reply_ms`. With `reads`, another
@@ -430,6 +461,7 @@ pub async fn steady(
     let reader = if reads { Some(Reads::start(&stack, db, &reads_done).await?) } else { None };
     let reviewer = tokio::spawn(approve_all(stack.clone(), n, done.clone()));
     let io_before = Io::read(&db.pool).await?;
+    let touched_before = Touched::read(&db.pool).await?;
     let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut posts = tokio::task::JoinSet::new();
@@ -454,6 +486,7 @@ pub async fn steady(
     };
     wait_sent(db, &stack.agent_id, n).await?;
     let io = Io::read(&db.pool).await?.per(io_before, n as f64);
+    let touched = Touched::read(&db.pool).await?.per(&touched_before, n as f64);
     reads_done.store(true, Ordering::Relaxed);
     let reads = match reader {
         Some(r) => Some(r.await??),
@@ -481,7 +514,7 @@ pub async fn steady(
         v.sort_by(f64::total_cmp);
     }
     Arc::into_inner(stack).context("the stack is still in use")?.stop();
-    Ok(Steady { submit_ms, scored_ms, approve_to_sent_ms, reads, io })
+    Ok(Steady { submit_ms, scored_ms, approve_to_sent_ms, reads, io, touched })
 }
 
 /// The reviewer: approves every delivery of the stack's agent as soon as the list of those

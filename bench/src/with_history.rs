@@ -61,6 +61,29 @@ async fn side(args: &Args, db: &mut Db, with_history: bool) -> anyhow::Result<Si
     Ok(Side { pipeline, steady, runs, drain, reads, scans })
 }
 
+/// The tables and indexes a steady delivery reads more blocks of with the history than
+/// without, most first (medians over the repetitions): where the history's extra work goes.
+fn touched_report(touched: BTreeMap<String, [Vec<f64>; 2]>) -> String {
+    let mut rows: Vec<(String, f64, f64)> = touched
+        .into_iter()
+        .map(|(name, [with, without])| {
+            let m = |v: Vec<f64>| if v.is_empty() { 0.0 } else { median(v) };
+            (name, m(with), m(without))
+        })
+        .collect();
+    rows.sort_by(|a, b| (b.1 - b.2).total_cmp(&(a.1 - a.2)));
+    let mut out = String::from(
+        "\nBlocks read per steady delivery (shared buffers or outside them), the tables and indexes \
+         that grew most with the history:\n\n| table or index | with the history | empty |\n| --- | --- | --- |\n",
+    );
+    for (name, with, without) in rows.iter().take(20) {
+        out.push_str(&format!("| `{name}` | {with:.1} | {without:.1} |\n"));
+    }
+    let sum = |f: fn(&(String, f64, f64)) -> f64| rows.iter().map(f).sum::<f64>();
+    out.push_str(&format!("| all | {:.1} | {:.1} |\n\n", sum(|r| r.1), sum(|r| r.2)));
+    out
+}
+
 fn p99(v: &[f64]) -> f64 {
     percentile(v, 0.99)
 }
@@ -90,6 +113,8 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
     let mut report = plans(&hist).await?;
     let mut figures: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut scans: BTreeMap<String, i64> = BTreeMap::new();
+    // Per table and index: the blocks read for per steady delivery, with the history and without.
+    let mut touched: BTreeMap<String, [Vec<f64>; 2]> = BTreeMap::new();
     for i in 0..reps {
         // Which side goes first alternates, so a drift of the machine's speed over the
         // repetition does not favour one side.
@@ -171,6 +196,11 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
             add_io("blocks_read", io.blks_read);
             add_io("blocks_hit", io.blks_hit);
         }
+        for (side, t) in [(0, &f.steady.touched), (1, &e.steady.touched)] {
+            for (name, v) in &t.0 {
+                touched.entry(name.clone()).or_default()[side].push(*v);
+            }
+        }
     }
     for (k, v) in figures {
         put(results, &k, median(v));
@@ -179,6 +209,7 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
         let v = results["run_steps_per_sec_empty"].as_f64().unwrap_or(f64::NAN);
         put(results, "run_steps_per_sec", v);
     }
+    report.push_str(&touched_report(touched));
     let read_whole: Vec<String> = scans.iter().map(|(table, n)| format!("{table} {n}")).collect();
     report.push_str(&format!(
         "Sequential scans of the history's tables while the service ran on it ({} repetitions of the pipeline, \

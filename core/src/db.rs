@@ -75,6 +75,22 @@ pub async fn first_analyze(pool: &PgPool, min_changes: i64) -> Result<Vec<String
     sqlx::query_scalar("SELECT t::text FROM airlock_first_analyze($1) t").bind(min_changes).fetch_all(pool).await
 }
 
+/// Whether autovacuum will leave `table`'s dead rows where they are: the server runs with
+/// `autovacuum = off` (or without `track_counts`, which it needs), or the table's storage
+/// parameters turn it off (`autovacuum_enabled = false`). A queue whose `jobs` is never
+/// vacuumed keeps every version its claims and completions leave, and its claims slow as
+/// they step over them; the worker says so when it starts.
+pub async fn autovacuum_off(pool: &PgPool, table: &str) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT NOT current_setting('autovacuum')::bool OR NOT current_setting('track_counts')::bool
+                OR coalesce((SELECT 'autovacuum_enabled=false' = ANY (reloptions) FROM pg_class
+                             WHERE oid = to_regclass($1)), false)",
+    )
+    .bind(table)
+    .fetch_one(pool)
+    .await
+}
+
 /// Whether an embedded migration is not applied yet (any, not only the newest: versions
 /// may be applied out of order when a lower one arrives later).
 async fn pending(pool: &PgPool) -> Result<bool, sqlx::Error> {

@@ -315,3 +315,27 @@ async fn a_worker_analyzes_a_new_jobs_table_while_it_drains_it(pool: PgPool) {
             .unwrap();
     assert_eq!(manual, Some(0), "the worker analyzed it, not autovacuum");
 }
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn the_worker_can_tell_when_autovacuum_leaves_jobs_unvacuumed(pool: PgPool) {
+    // What the server says, whatever this machine's configuration is.
+    let server_off: bool = sqlx::query_scalar(
+        "SELECT NOT current_setting('autovacuum')::bool OR NOT current_setting('track_counts')::bool",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let off = |pool: PgPool| async move { airlock_core::db::autovacuum_off(&pool, "jobs").await.unwrap() };
+    assert_eq!(off(pool.clone()).await, server_off, "as the server runs it");
+
+    // Turned off for the table alone: off, whatever the server runs.
+    sqlx::query("ALTER TABLE jobs SET (autovacuum_enabled = false)").execute(&pool).await.unwrap();
+    assert!(off(pool.clone()).await, "autovacuum_enabled = false on jobs");
+    sqlx::query("ALTER TABLE jobs SET (autovacuum_enabled = true)").execute(&pool).await.unwrap();
+    assert_eq!(off(pool.clone()).await, server_off, "back on for the table");
+    sqlx::query("ALTER TABLE jobs RESET (autovacuum_enabled)").execute(&pool).await.unwrap();
+    assert_eq!(off(pool.clone()).await, server_off);
+
+    // A table that does not exist is judged by the server's setting alone, not an error.
+    assert_eq!(airlock_core::db::autovacuum_off(&pool, "no_such_table").await.unwrap(), server_off);
+}

@@ -196,6 +196,15 @@ impl Worker {
         airlock_queue::fleet::register(&self.pool, &s.id, &hostname(), s.queues.as_deref(), s.concurrency as i32)
             .await?;
         tracing::info!(worker.id = %s.id, concurrency = s.concurrency, "worker started");
+        match airlock_core::db::autovacuum_off(&self.pool, "jobs").await {
+            Ok(false) => {}
+            Ok(true) => tracing::warn!(
+                "autovacuum is off for the jobs table (the server's autovacuum or track_counts, or the table's \
+                 autovacuum_enabled): nothing removes the row versions claims and completions leave, and claims \
+                 slow as they pile up; turn it on, or vacuum jobs on a schedule"
+            ),
+            Err(e) => tracing::warn!(error = %e, "could not read whether autovacuum runs for the jobs table"),
+        }
 
         let in_flight = InFlight::default();
         let wake = Arc::new(Notify::new());

@@ -546,6 +546,14 @@ async fn main() -> anyhow::Result<()> {
     let r = args.reps.max(1);
     let mut results = serde_json::Map::new();
     let mut rss_seen: f64 = 0.0;
+    let server = PgPoolOptions::new().max_connections(1).connect(&args.database_url).await?;
+    let autovacuum: String = sqlx::query_scalar("SHOW autovacuum").fetch_one(&server).await?;
+    if autovacuum != "on" {
+        eprintln!(
+            "bench: this server runs with autovacuum = {autovacuum}: a database used for more than one \
+             measurement (the history's) keeps every dead row version of the earlier ones, and its figures carry them"
+        );
+    }
 
     // The machine's speed drifts over minutes (a shared host), so the ceiling is measured
     // again next to each repetition of the drains, and each ratio is taken within its
@@ -819,9 +827,8 @@ async fn main() -> anyhow::Result<()> {
 
     let machine = json!({
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        "postgres": sqlx::query_scalar::<_, String>("SHOW server_version")
-            .fetch_one(&PgPoolOptions::new().max_connections(1).connect(&args.database_url).await?)
-            .await?,
+        "postgres": sqlx::query_scalar::<_, String>("SHOW server_version").fetch_one(&server).await?,
+        "autovacuum": autovacuum,
         "reps": r,
     });
     // One of the parts that keep a result file of their own.

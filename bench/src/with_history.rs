@@ -14,6 +14,7 @@ use anyhow::Context;
 use airlock_bench::history::{self, History};
 use airlock_delivery::state::DeliveryState;
 use airlock_delivery::store::deliveries::list_statement;
+use airlock_delivery::store::events::EVENTS_SQL;
 use chrono::{DateTime, Utc};
 use serde_json::{Map, Value};
 use sqlx::postgres::PgPoolOptions;
@@ -259,6 +260,27 @@ async fn plans(db: &Db) -> anyhow::Result<String> {
             plan.join("\n")
         ));
         sqlx::query("DEALLOCATE list").execute(&mut *conn).await?;
+    }
+    // A delivery of the history as its view reads it, and the claim over the history's
+    // finished jobs (in a transaction rolled back: an EXPLAIN ANALYZE of it claims).
+    let claim = airlock_queue::claim::claim_sql(&[], false);
+    let statements = [
+        ("GET /admin/v1/deliveries/{id}, the delivery of the history", "SELECT * FROM deliveries WHERE id = $1"),
+        ("GET /admin/v1/deliveries/{id}, its events (hot log and archive)", EVENTS_SQL),
+        ("a worker's claim, unbounded, beside the history's finished jobs", claim.as_str()),
+    ];
+    let id = id.to_string();
+    for (what, sql) in statements {
+        let args = if sql == claim { "'bench-plan', NULL, 10, 30".to_string() } else { format!("'{id}'") };
+        sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE shown AS {sql}"))).execute(&mut *conn).await?;
+        sqlx::query("BEGIN").execute(&mut *conn).await?;
+        let plan: Vec<String> =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN (ANALYZE, BUFFERS) EXECUTE shown({args})")))
+                .fetch_all(&mut *conn)
+                .await?;
+        sqlx::query("ROLLBACK").execute(&mut *conn).await?;
+        sqlx::query("DEALLOCATE shown").execute(&mut *conn).await?;
+        out.push_str(&format!("{what}, generic plan:\n{}\n\n", plan.join("\n")));
     }
     sqlx::query("RESET plan_cache_mode").execute(&mut *conn).await?;
     Ok(out)

@@ -224,20 +224,18 @@ pub fn event_hash(prev: Option<&str>, e: &EventContent<'_>) -> String {
     hex::encode(Sha256::digest(content.to_string().as_bytes()))
 }
 
+/// The statement of [`events`]: the events of the delivery `$1`, oldest first.
+pub const EVENTS_SQL: &str = r#"SELECT seq, from_state, to_state, actor, reason, data, at, prev_hash, hash
+    FROM delivery_events WHERE delivery_id = $1
+    UNION ALL
+    SELECT seq, from_state, to_state, actor, reason, data, at, prev_hash, hash
+    FROM delivery_events_archive WHERE delivery_id = $1
+    ORDER BY seq"#;
+
 /// A delivery's events, oldest first, from the hot log or the archive (a delivery's chain
 /// lies whole in one of them, see [`crate::store::archive`]).
 pub async fn events(db: impl PgExecutor<'_>, id: DeliveryId) -> Result<Vec<Event>, sqlx::Error> {
-    sqlx::query_as(
-        r#"SELECT seq, from_state, to_state, actor, reason, data, at, prev_hash, hash
-           FROM delivery_events WHERE delivery_id = $1
-           UNION ALL
-           SELECT seq, from_state, to_state, actor, reason, data, at, prev_hash, hash
-           FROM delivery_events_archive WHERE delivery_id = $1
-           ORDER BY seq"#,
-    )
-    .bind(id)
-    .fetch_all(db)
-    .await
+    sqlx::query_as(EVENTS_SQL).bind(id).fetch_all(db).await
 }
 
 /// Recomputes a delivery's event chain; returns the first seq that does not verify.

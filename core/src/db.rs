@@ -83,8 +83,9 @@ pub async fn first_analyze(pool: &PgPool, min_changes: i64) -> Result<Vec<String
 pub async fn autovacuum_off(pool: &PgPool, table: &str) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar(
         "SELECT NOT current_setting('autovacuum')::bool OR NOT current_setting('track_counts')::bool
-                OR coalesce((SELECT 'autovacuum_enabled=false' = ANY (reloptions) FROM pg_class
-                             WHERE oid = to_regclass($1)), false)",
+                OR EXISTS (SELECT 1 FROM pg_class c, pg_options_to_table(c.reloptions) o
+                           WHERE c.oid = to_regclass($1) AND o.option_name = 'autovacuum_enabled'
+                             AND NOT o.option_value::bool)",
     )
     .bind(table)
     .fetch_one(pool)

@@ -333,6 +333,11 @@ async fn the_worker_can_tell_when_autovacuum_leaves_jobs_unvacuumed(pool: PgPool
     assert!(off(pool.clone()).await, "autovacuum_enabled = false on jobs");
     sqlx::query("ALTER TABLE jobs SET (autovacuum_enabled = true)").execute(&pool).await.unwrap();
     assert_eq!(off(pool.clone()).await, server_off, "back on for the table");
+    // However the value is spelled.
+    sqlx::query("ALTER TABLE jobs SET (autovacuum_enabled = off)").execute(&pool).await.unwrap();
+    assert!(off(pool.clone()).await, "autovacuum_enabled = off on jobs");
+    sqlx::query("ALTER TABLE jobs SET (autovacuum_enabled = 1)").execute(&pool).await.unwrap();
+    assert_eq!(off(pool.clone()).await, server_off, "autovacuum_enabled = 1 on jobs");
     sqlx::query("ALTER TABLE jobs RESET (autovacuum_enabled)").execute(&pool).await.unwrap();
     assert_eq!(off(pool.clone()).await, server_off);
 

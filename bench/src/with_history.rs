@@ -13,7 +13,7 @@ use anyhow::Context;
 
 use airlock_bench::history::{self, History};
 use airlock_delivery::state::DeliveryState;
-use airlock_delivery::store::deliveries::list_statement;
+use airlock_delivery::store::deliveries::{GET_SQL, list_statement};
 use airlock_delivery::store::events::EVENTS_SQL;
 use chrono::{DateTime, Utc};
 use serde_json::{Map, Value};
@@ -264,14 +264,17 @@ async fn plans(db: &Db) -> anyhow::Result<String> {
     // A delivery of the history as its view reads it, and the claim over the history's
     // finished jobs (in a transaction rolled back: an EXPLAIN ANALYZE of it claims).
     let claim = airlock_queue::claim::claim_sql(&[], false);
+    let delivery = format!("'{id}'");
     let statements = [
-        ("GET /admin/v1/deliveries/{id}, the delivery of the history", "SELECT * FROM deliveries WHERE id = $1"),
-        ("GET /admin/v1/deliveries/{id}, its events (hot log and archive)", EVENTS_SQL),
-        ("a worker's claim, unbounded, beside the history's finished jobs", claim.as_str()),
+        ("GET /admin/v1/deliveries/{id}, the delivery of the history", GET_SQL, delivery.as_str()),
+        ("GET /admin/v1/deliveries/{id}, its events (hot log and archive)", EVENTS_SQL, delivery.as_str()),
+        (
+            "a worker's claim, unbounded, beside the history's finished jobs",
+            claim.as_str(),
+            "'bench-plan', NULL, 10, 30",
+        ),
     ];
-    let id = id.to_string();
-    for (what, sql) in statements {
-        let args = if sql == claim { "'bench-plan', NULL, 10, 30".to_string() } else { format!("'{id}'") };
+    for (what, sql, args) in statements {
         sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE shown AS {sql}"))).execute(&mut *conn).await?;
         sqlx::query("BEGIN").execute(&mut *conn).await?;
         let plan: Vec<String> =

@@ -155,8 +155,11 @@ fn is_step_taken(e: &sqlx::Error) -> bool {
         || airlock_runs::piece::is_step_taken(e)
 }
 
+/// The statement of [`get`]: the delivery `$1`.
+pub const GET_SQL: &str = "SELECT * FROM deliveries WHERE id = $1";
+
 pub async fn get(db: impl PgExecutor<'_>, id: DeliveryId) -> Result<Option<Delivery>, sqlx::Error> {
-    sqlx::query_as("SELECT * FROM deliveries WHERE id = $1").bind(id).fetch_optional(db).await
+    sqlx::query_as(GET_SQL).bind(id).fetch_optional(db).await
 }
 
 /// Reads a delivery and locks it for the rest of the transaction.

@@ -15,16 +15,45 @@ use serde::Serialize;
 pub const SYSTEM: &str = "airlock";
 
 /// The tables the queue churns (inserts, updates and deletes at the job rate), which the
-/// harness watches for bloat. Kept equal to `adapter.json`, which a test checks.
-pub const EVENT_TABLES: &[&str] = &["public.jobs", "public.workers"];
+/// harness watches for bloat: every partition that holds jobs (the ring's slots, the
+/// long-lived live jobs, the finished ones; `jobs` itself is partitioned and holds no row),
+/// the ring's state and the fleet. Kept equal to `adapter.json`, which a test checks.
+pub const EVENT_TABLES: &[&str] = &[
+    "public.jobs_ring_0",
+    "public.jobs_ring_1",
+    "public.jobs_ring_2",
+    "public.jobs_ring_3",
+    "public.jobs_long",
+    "public.jobs_done",
+    "public.job_ring",
+    "public.workers",
+];
 
 /// Their indexes.
 pub const EVENT_INDEXES: &[&str] = &[
-    "public.jobs_pkey",
-    "public.jobs_claim_idx",
-    "public.jobs_lease_idx",
-    "public.jobs_finished_idx",
-    "public.jobs_unique_live_idx",
+    "public.jobs_ring_0_pkey",
+    "public.jobs_ring_0_claim_idx",
+    "public.jobs_ring_0_lease_idx",
+    "public.jobs_ring_0_key_idx",
+    "public.jobs_ring_1_pkey",
+    "public.jobs_ring_1_claim_idx",
+    "public.jobs_ring_1_lease_idx",
+    "public.jobs_ring_1_key_idx",
+    "public.jobs_ring_2_pkey",
+    "public.jobs_ring_2_claim_idx",
+    "public.jobs_ring_2_lease_idx",
+    "public.jobs_ring_2_key_idx",
+    "public.jobs_ring_3_pkey",
+    "public.jobs_ring_3_claim_idx",
+    "public.jobs_ring_3_lease_idx",
+    "public.jobs_ring_3_key_idx",
+    "public.jobs_long_pkey",
+    "public.jobs_long_claim_idx",
+    "public.jobs_long_lease_idx",
+    "public.jobs_long_key_idx",
+    "public.jobs_done_pkey",
+    "public.jobs_done_finished_idx",
+    "public.job_ring_pkey",
     "public.workers_pkey",
 ];
 

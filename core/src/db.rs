@@ -77,9 +77,10 @@ pub async fn first_analyze(pool: &PgPool, min_changes: i64) -> Result<Vec<String
 
 /// Whether autovacuum will leave `table`'s dead rows where they are: the server runs with
 /// `autovacuum = off` (or without `track_counts`, which it needs), or the table's storage
-/// parameters turn it off (`autovacuum_enabled = false`). A queue whose `jobs` is never
-/// vacuumed keeps every version its claims and completions leave, and its claims slow as
-/// they step over them; the worker says so when it starts.
+/// parameters turn it off (`autovacuum_enabled = false`). The queue's ring is reclaimed by
+/// truncation, but its long-lived jobs (`jobs_long`) are not: never vacuumed, it keeps every
+/// version their claims and completions leave, and claims slow as they step over them; the
+/// worker says so when it starts.
 pub async fn autovacuum_off(pool: &PgPool, table: &str) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar(
         "SELECT NOT current_setting('autovacuum')::bool OR NOT current_setting('track_counts')::bool

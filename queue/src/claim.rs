@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{FromRow, Row};
 
 use crate::job::{Job, QueueError};
-use crate::lease::{Lease, completion_sql};
+use crate::lease::{Lease, completion_ctes};
 use crate::pauses::paused_queues;
 
 /// Which queues a claim may take from.
@@ -25,27 +25,35 @@ pub struct ClaimFilter {
 /// scan starts, and `xmax = '0'`, rows untouched since they were written (see
 /// [`ClaimFrom`]).
 ///
-/// Its plan walks the partial index `jobs_claim_idx` in claim order and stops after `$3`
-/// rows, whatever the backlog (a test checks it with `EXPLAIN`, custom and generic):
+/// Its plan walks the partial index `jobs_claim_idx` of each live partition in claim order
+/// (merged) and stops after `$3` rows, whatever the backlog; the finished jobs' partition
+/// is never read (a test checks it with `EXPLAIN`, generic, and custom for every queue):
 /// - the statement is kept prepared, and its generic plan (which cannot see `$3`) still
-///   updates the picked rows through the primary key, from the array of their ids,
-///   instead of joining the whole table;
+///   updates the picked rows through the primary keys, one lookup of each partition per id
+///   of the array of those it locked (whose length the planner takes for ten whatever the
+///   limit), instead of joining the whole table: as `id = ANY (…)`, a slot of the ring
+///   planned while nearly empty would be read whole at every claim as it fills. It names
+///   `jobs_live`, the live jobs, so the finished ones are not even looked up;
+/// - a worker plans it generically (see `airlock_core::db::generic_plans`): the ring's
+///   slots have no statistics, and a plan for a given list of queues would take the default
+///   selectivity of a queue name (half a percent) and sort the backlog it believes small;
 /// - the paused queues are written into the statement as constants (they change rarely,
 ///   so a connection keeps one statement per set it has seen): as a parameter, a generic
 ///   plan cannot estimate `queue <> ALL ($5)`, and with one busy queue it expects no row to
 ///   pass and sorts the whole backlog.
 const CLAIM_SQL: &str = r#"
-    UPDATE jobs j
+    UPDATE jobs_live j
     SET state = 'running', attempt = j.attempt + 1, lease_owner = $1,
         lease_expires_at = now() + make_interval(secs => $4), heartbeat_at = now(),
         attempted_at = now(), effect_started_at = NULL
-    WHERE j.id = ANY (ARRAY(
-        SELECT id FROM jobs
+    FROM unnest(ARRAY(
+        SELECT id FROM jobs_live
         WHERE state = 'available' AND run_at <= now()
           AND ($2::text[] IS NULL OR queue = ANY ($2)) {paused} {from}
         ORDER BY priority, run_at, id
         LIMIT $3
-        FOR UPDATE SKIP LOCKED))
+        FOR UPDATE SKIP LOCKED)) AS picked(id)
+    WHERE j.id = picked.id
     RETURNING j.*
 "#;
 
@@ -187,11 +195,11 @@ pub async fn complete_and_claim(
 pub fn complete_and_claim_sql(paused: &[String], bounded: bool, one: bool) -> String {
     let (ids, attempts) = if bounded { ("$7", "$8") } else { ("$5", "$6") };
     format!(
-        "WITH done AS ({}), claimed AS ({}) \
+        "WITH {}, claimed AS ({}) \
          SELECT d.done_ids, d.done_attempts, c.* \
          FROM (SELECT array_agg(id) AS done_ids, array_agg(attempt) AS done_attempts FROM done) d \
          LEFT JOIN claimed c ON true",
-        completion_sql(one).replace("{ids}", ids).replace("{attempts}", attempts),
+        completion_ctes(one).replace("{ids}", ids).replace("{attempts}", attempts),
         claim_sql(paused, bounded)
     )
 }

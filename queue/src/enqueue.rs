@@ -43,19 +43,23 @@ async fn insert_jobs(
         return Ok(Vec::new());
     }
     let ids: Vec<JobId> = jobs.iter().map(|_| JobId::new()).collect();
-    let kinds: Vec<&str> = jobs.iter().map(|j| j.kind.as_str()).collect();
-    let queues: Vec<&str> = jobs.iter().map(|j| j.queue.as_str()).collect();
-    let payloads: Vec<serde_json::Value> = jobs.iter().map(|j| j.payload.clone()).collect();
-    let priorities: Vec<i16> = jobs.iter().map(|j| j.priority).collect();
-    let run_ats: Vec<Option<DateTime<Utc>>> = jobs.iter().map(|j| j.run_at).collect();
-    let max_attempts: Vec<i32> = jobs.iter().map(|j| j.max_attempts).collect();
-    let classes: Vec<EffectClass> = jobs.iter().map(|j| j.effect_class).collect();
-    let keys: Vec<Option<&str>> = jobs.iter().map(|j| j.unique_key.as_deref()).collect();
+    // A key twice in the batch: the first job is inserted (if no live job holds the key);
+    // the others are told its id, as a later enqueue would be.
+    let rows: Vec<(JobId, &NewJob)> = first_of_each_key(jobs).map(|(i, j)| (ids[i], j)).collect();
+    let kinds: Vec<&str> = rows.iter().map(|(_, j)| j.kind.as_str()).collect();
+    let queues: Vec<&str> = rows.iter().map(|(_, j)| j.queue.as_str()).collect();
+    let payloads: Vec<&serde_json::Value> = rows.iter().map(|(_, j)| &j.payload).collect();
+    let priorities: Vec<i16> = rows.iter().map(|(_, j)| j.priority).collect();
+    let run_ats: Vec<Option<DateTime<Utc>>> = rows.iter().map(|(_, j)| j.run_at).collect();
+    let max_attempts: Vec<i32> = rows.iter().map(|(_, j)| j.max_attempts).collect();
+    let classes: Vec<EffectClass> = rows.iter().map(|(_, j)| j.effect_class).collect();
+    let keys: Vec<Option<&str>> = rows.iter().map(|(_, j)| j.unique_key.as_deref()).collect();
+    let row_ids: Vec<JobId> = rows.iter().map(|(i, _)| *i).collect();
 
-    // Rows whose unique key is live already are skipped by ON CONFLICT; the existing job
-    // is looked up afterwards in the same transaction. The same statement sends one NOTIFY
-    // per queue that got a row, unless told not to (`woke` is one row, so joining it keeps
-    // every inserted id).
+    // Rows whose unique key a live job holds are skipped (see `airlock_job_key_free`, which
+    // holds the key until the commit); the existing job is looked up afterwards in the same
+    // transaction. The same statement sends one NOTIFY per queue that got a row, unless told
+    // not to (`woke` is one row, so joining it keeps every inserted id).
     let inserted: Vec<JobId> = sqlx::query_scalar(
         r#"
         WITH inserted AS (
@@ -64,14 +68,13 @@ async fn insert_jobs(
             FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[], $5::smallint[],
                         $6::timestamptz[], $7::int[], $8::effect_class[], $9::text[])
                  AS t(id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key)
-            ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state IN ('available', 'running', 'parked')
-            DO NOTHING
+            WHERE unique_key IS NULL OR airlock_job_key_free(unique_key)
             RETURNING id, queue),
         woke AS (SELECT count(pg_notify($10, queue)) FROM (SELECT DISTINCT queue FROM inserted) q WHERE $11)
         SELECT inserted.id FROM inserted CROSS JOIN woke
         "#,
     )
-    .bind(&ids)
+    .bind(&row_ids)
     .bind(&kinds)
     .bind(&queues)
     .bind(&payloads)
@@ -102,4 +105,11 @@ async fn insert_jobs(
         }
     }
     Ok(out)
+}
+
+/// The jobs of `jobs` to insert, with their places: every one without a unique key, and the
+/// first of each key.
+pub(crate) fn first_of_each_key(jobs: &[NewJob]) -> impl Iterator<Item = (usize, &NewJob)> {
+    let mut seen = std::collections::HashSet::new();
+    jobs.iter().enumerate().filter(move |(_, j)| j.unique_key.as_deref().is_none_or(|k| seen.insert(k)))
 }

@@ -97,9 +97,11 @@ pub async fn mark_effect_started(db: impl PgExecutor<'_>, lease: Lease) -> Resul
 pub const MARK_EFFECT_STARTED_SQL: &str = r#"UPDATE jobs SET effect_started_at = now()
     WHERE id = $1 AND attempt = $2 AND state = 'running' AND lease_expires_at > now()"#;
 
-/// Completes the job held under lease (`$1` id, `$2` attempt).
-pub const COMPLETE_HELD_SQL: &str =
-    concat!("UPDATE jobs SET ", completed!(), " WHERE id = $1 AND attempt = $2 AND state = 'running'");
+/// Completes the job held under lease (`$1` id, `$2` attempt): moves it to `jobs_done`.
+pub const COMPLETE_HELD_SQL: &str = concat!(
+    "WITH gone AS (DELETE FROM jobs WHERE id = $1 AND attempt = $2 AND state = 'running' RETURNING *) ",
+    insert_completed!("gone")
+);
 
 /// [`COMPLETE_HELD_SQL`] where completions delete the row (see [`crate::set_delete_completed`]).
 pub const COMPLETE_HELD_DELETE_SQL: &str = "DELETE FROM jobs WHERE id = $1 AND attempt = $2 AND state = 'running'";
@@ -111,56 +113,60 @@ pub async fn complete(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), Queue
     fenced(r, lease)
 }
 
-/// Completes the held jobs whose ids and attempts are the arrays `{ids}` and `{attempts}`,
-/// fenced on their leases, locking them in id order first; returns the ones completed.
-const COMPLETE_SQL: &str = concat!(
-    "UPDATE jobs d SET ",
-    completed!(),
-    " FROM ",
+/// Common table expressions that complete the held jobs whose ids and attempts are the
+/// arrays `{ids}` and `{attempts}`, fenced on their leases, locking them in id order first:
+/// `done` yields the `(id, attempt)` of each one completed.
+const COMPLETE_CTES: &str = concat!(
+    "gone AS (DELETE FROM jobs d USING ",
     held_in_id_order!("{ids}", "{attempts}"),
-    " WHERE d.id = held.id AND d.state = 'running' RETURNING d.id, d.attempt"
+    " WHERE d.id = held.id AND d.state = 'running' RETURNING d.*), done AS (",
+    insert_completed!("gone"),
+    ")"
 );
 
-/// [`COMPLETE_SQL`] for one job: a statement that waits for one row lock and holds no other
+/// [`COMPLETE_CTES`] for one job: a statement that waits for one row lock and holds no other
 /// lock of a held job cannot deadlock, and does without the sort and second lookup.
-const COMPLETE_ONE_SQL: &str = concat!(
-    "UPDATE jobs d SET ",
-    completed!(),
-    " FROM unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)",
-    " WHERE d.id = t.id AND d.attempt = t.attempt AND d.state = 'running' RETURNING d.id, d.attempt"
+const COMPLETE_ONE_CTES: &str = concat!(
+    "gone AS (DELETE FROM jobs d USING unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)",
+    " WHERE d.id = t.id AND d.attempt = t.attempt AND d.state = 'running' RETURNING d.*), done AS (",
+    insert_completed!("gone"),
+    ")"
 );
 
-/// [`COMPLETE_SQL`] where completions delete the row.
-const COMPLETE_DELETE_SQL: &str = concat!(
-    "DELETE FROM jobs d USING ",
+/// [`COMPLETE_CTES`] where completions delete the row.
+const COMPLETE_DELETE_CTES: &str = concat!(
+    "done AS (DELETE FROM jobs d USING ",
     held_in_id_order!("{ids}", "{attempts}"),
-    " WHERE d.id = held.id AND d.state = 'running' RETURNING d.id, d.attempt"
+    " WHERE d.id = held.id AND d.state = 'running' RETURNING d.id, d.attempt)"
 );
 
-/// [`COMPLETE_ONE_SQL`] where completions delete the row.
-const COMPLETE_ONE_DELETE_SQL: &str = concat!(
-    "DELETE FROM jobs d USING unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)",
-    " WHERE d.id = t.id AND d.attempt = t.attempt AND d.state = 'running' RETURNING d.id, d.attempt"
+/// [`COMPLETE_ONE_CTES`] where completions delete the row.
+const COMPLETE_ONE_DELETE_CTES: &str = concat!(
+    "done AS (DELETE FROM jobs d USING unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)",
+    " WHERE d.id = t.id AND d.attempt = t.attempt AND d.state = 'running' RETURNING d.id, d.attempt)"
 );
 
-/// The statement that completes the held jobs of the arrays `{ids}` and `{attempts}`
-/// (`one`: a single job, which needs no lock order), as this process completes them
-/// (see [`crate::set_delete_completed`]); it returns the `(id, attempt)` of each one completed.
-pub(crate) fn completion_sql(one: bool) -> &'static str {
+/// The common table expressions that complete the held jobs of the arrays `{ids}` and
+/// `{attempts}` (`one`: a single job, which needs no lock order), as this process completes
+/// them (see [`crate::set_delete_completed`]); the last, `done`, yields the `(id, attempt)`
+/// of each one completed.
+pub(crate) fn completion_ctes(one: bool) -> &'static str {
     match (crate::deletes_completed(), one) {
-        (false, false) => COMPLETE_SQL,
-        (false, true) => COMPLETE_ONE_SQL,
-        (true, false) => COMPLETE_DELETE_SQL,
-        (true, true) => COMPLETE_ONE_DELETE_SQL,
+        (false, false) => COMPLETE_CTES,
+        (false, true) => COMPLETE_ONE_CTES,
+        (true, false) => COMPLETE_DELETE_CTES,
+        (true, true) => COMPLETE_ONE_DELETE_CTES,
     }
 }
 
 /// The statement of [`complete_many`]: completes the held jobs whose ids and attempts are
 /// the arrays `$1` and `$2`.
 pub fn complete_many_sql() -> &'static str {
-    static KEEP: LazyLock<String> = LazyLock::new(|| COMPLETE_SQL.replace("{ids}", "$1").replace("{attempts}", "$2"));
-    static DELETE: LazyLock<String> =
-        LazyLock::new(|| COMPLETE_DELETE_SQL.replace("{ids}", "$1").replace("{attempts}", "$2"));
+    fn statement(ctes: &str) -> String {
+        format!("WITH {} SELECT id, attempt FROM done", ctes.replace("{ids}", "$1").replace("{attempts}", "$2"))
+    }
+    static KEEP: LazyLock<String> = LazyLock::new(|| statement(COMPLETE_CTES));
+    static DELETE: LazyLock<String> = LazyLock::new(|| statement(COMPLETE_DELETE_CTES));
     if crate::deletes_completed() { DELETE.as_str() } else { KEEP.as_str() }
 }
 
@@ -186,6 +192,25 @@ pub enum FailOutcome {
     Failed,
 }
 
+/// Fails the job held under lease (`$1` id, `$2` attempt) with error `$3`: back to
+/// `available` after `$5` seconds (NULL: the backoff), or, once its attempts are spent or when
+/// `$4` (permanent), moved to `jobs_done` as `failed`. Returns the state it ends in.
+const FAIL_SQL: &str = concat!(
+    "WITH cur AS (SELECT id, $4 OR attempt >= max_attempts AS last FROM jobs ",
+    "WHERE id = $1 AND attempt = $2 AND state = 'running' FOR UPDATE), ",
+    "retried AS (UPDATE jobs j SET state = 'available', ",
+    "run_at = now() + coalesce(make_interval(secs => $5), airlock_backoff(j.attempt)), last_error = $3, ",
+    "lease_owner = NULL, lease_expires_at = NULL, effect_started_at = NULL ",
+    "FROM cur WHERE j.id = cur.id AND NOT cur.last AND j.state = 'running' RETURNING j.state), ",
+    "gone AS (DELETE FROM jobs j USING cur WHERE j.id = cur.id AND cur.last AND j.state = 'running' RETURNING j.*), ",
+    "failed AS (INSERT INTO jobs (",
+    job_columns!(),
+    ") SELECT ",
+    finished_row!("'failed'", "$3"),
+    " FROM gone RETURNING state) ",
+    "SELECT state FROM retried UNION ALL SELECT state FROM failed"
+);
+
 /// Fails a held job. A retryable failure goes back to `available` after the backoff (or
 /// `delay`, when the caller knows better, e.g. a server's Retry-After) until
 /// `max_attempts` is reached; then, or when `permanent`, the job is `failed`.
@@ -196,23 +221,14 @@ pub async fn fail(
     permanent: bool,
     delay: Option<Duration>,
 ) -> Result<FailOutcome, QueueError> {
-    let state: Option<JobState> = sqlx::query_scalar(
-        r#"UPDATE jobs SET
-               state = CASE WHEN $4 OR attempt >= max_attempts THEN 'failed'::job_state ELSE 'available'::job_state END,
-               finished_at = CASE WHEN $4 OR attempt >= max_attempts THEN now() END,
-               run_at = CASE WHEN $4 OR attempt >= max_attempts THEN run_at
-                             ELSE now() + coalesce(make_interval(secs => $5), airlock_backoff(attempt)) END,
-               last_error = $3, lease_owner = NULL, lease_expires_at = NULL, effect_started_at = NULL
-           WHERE id = $1 AND attempt = $2 AND state = 'running'
-           RETURNING state"#,
-    )
-    .bind(lease.id)
-    .bind(lease.attempt)
-    .bind(truncate_error(error))
-    .bind(permanent)
-    .bind(delay.map(|d| d.as_secs_f64()))
-    .fetch_optional(db)
-    .await?;
+    let state: Option<JobState> = sqlx::query_scalar(FAIL_SQL)
+        .bind(lease.id)
+        .bind(lease.attempt)
+        .bind(truncate_error(error))
+        .bind(permanent)
+        .bind(delay.map(|d| d.as_secs_f64()))
+        .fetch_optional(db)
+        .await?;
     match state {
         None => Err(QueueError::lost(lease)),
         Some(JobState::Failed) => Ok(FailOutcome::Failed),

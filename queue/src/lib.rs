@@ -10,9 +10,14 @@
 //!   in the same round trip, so no other crate writes SQL for `jobs`.
 //! - [`rescue`]: expired leases, retried, failed or parked.
 //! - [`retention`]: pruning finished jobs.
+//! - [`ring`]: the slots live jobs lie in, made current in turn and truncated once done with.
 //! - [`pauses`]: pausing and resuming named queues.
 //! - [`operate`]: what operators do to jobs nobody holds, and what they read.
 //! - [`fleet`]: the `workers` table, the processes that hold leases.
+//!
+//! `jobs` is partitioned (`migrations/0028_job_ring.sql`): live jobs lie in a ring of slots
+//! that are truncated in turn (see [`ring`]), finished ones in `jobs_done`, which claims never
+//! read. Whoever reads `jobs` reads them all.
 //!
 //! Invariants:
 //! - A claim is one statement (`FOR UPDATE SKIP LOCKED`) that moves rows to `running` and
@@ -26,6 +31,11 @@
 //!   none, leaving the wake-up to a [`Waker`] the caller pokes after its commit.
 //! - The rescuer returns expired `pure`/`idempotent` jobs to `available` (with backoff) or
 //!   `failed`; a `non_repeatable` job whose effect may have started goes to `parked`.
+//! - A job that finishes (completed, failed, cancelled) is deleted from its live partition
+//!   and inserted into `jobs_done` by one statement, never updated across partitions (see
+//!   `insert_completed!`); every other move updates it where it is.
+//! - A unique key is held by at most one live job: whatever makes a job live asks
+//!   `airlock_job_key_free`, which holds the key until its transaction ends.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -64,10 +74,47 @@ pub fn deletes_completed() -> bool {
     DELETE_COMPLETED.load(Ordering::Relaxed)
 }
 
-/// What completing a held job sets.
-macro_rules! completed {
+/// The columns of `jobs`, in table order: what a statement that moves jobs between its
+/// partitions inserts.
+macro_rules! job_columns {
     () => {
-        "state = 'completed', finished_at = now(), lease_owner = NULL, lease_expires_at = NULL, effect_started_at = NULL"
+        "id, kind, queue, payload, state, priority, run_at, attempt, max_attempts, effect_class, \
+         effect_started_at, lease_owner, lease_expires_at, heartbeat_at, attempted_at, last_error, unique_key, \
+         created_at, finished_at, slot"
+    };
+}
+
+/// The row a job becomes when it finishes, selected from the row of the live job just
+/// deleted: in state `$state`, with `$error` as its last error, its lease and effect mark
+/// cleared, finished now.
+macro_rules! finished_row {
+    ($state:expr, $error:expr) => {
+        concat!(
+            "id, kind, queue, payload, ",
+            $state,
+            ", priority, run_at, attempt, max_attempts, effect_class, NULL, NULL, NULL, heartbeat_at, attempted_at, ",
+            $error,
+            ", unique_key, created_at, now(), slot"
+        )
+    };
+}
+
+/// `INSERT INTO jobs … SELECT … FROM $gone RETURNING id, attempt`: the jobs of `$gone` (deleted
+/// from their live partitions by the same statement) as completed jobs, which `jobs_done`
+/// keeps. A job finishes by this move, never by an update of its state: a row updated into
+/// another partition makes whoever waited to lock it fail, where a deleted one is passed
+/// over, as a row whose state no longer matched was.
+macro_rules! insert_completed {
+    ($gone:literal) => {
+        concat!(
+            "INSERT INTO jobs (",
+            job_columns!(),
+            ") SELECT ",
+            finished_row!("'completed'", "last_error"),
+            " FROM ",
+            $gone,
+            " RETURNING id, attempt"
+        )
     };
 }
 
@@ -81,6 +128,7 @@ pub mod pauses;
 pub mod piece;
 pub mod rescue;
 pub mod retention;
+pub mod ring;
 pub mod waker;
 
 pub use claim::{Claim, ClaimFilter, ClaimFrom, claim_batch, claim_sql, complete_and_claim, complete_and_claim_sql};

@@ -10,10 +10,14 @@ use crate::job::{Job, JobState, QueueError, truncate_error};
 /// Cancels a job that is not running (an operator or owner action). A running job is
 /// refused: its holder finishes or its lease expires first.
 pub async fn cancel(db: impl PgExecutor<'_>, id: JobId, reason: &str) -> Result<(), QueueError> {
-    let r = sqlx::query(
-        r#"UPDATE jobs SET state = 'cancelled', finished_at = now(), last_error = $2, effect_started_at = NULL
-           WHERE id = $1 AND state IN ('available', 'parked')"#,
-    )
+    let r = sqlx::query(concat!(
+        "WITH gone AS (DELETE FROM jobs WHERE id = $1 AND state IN ('available', 'parked') RETURNING *) ",
+        "INSERT INTO jobs (",
+        job_columns!(),
+        ") SELECT ",
+        finished_row!("'cancelled'", "$2"),
+        " FROM gone"
+    ))
     .bind(id)
     .bind(truncate_error(reason))
     .execute(db)
@@ -25,21 +29,36 @@ pub async fn cancel(db: impl PgExecutor<'_>, id: JobId, reason: &str) -> Result<
 }
 
 /// Makes a parked or failed job available again now, with one more attempt allowed (an
-/// explicit human decision).
+/// explicit human decision). A failed job comes back only while no live job holds its unique
+/// key (it would be a second one).
 pub async fn retry_now(db: impl PgExecutor<'_>, id: JobId) -> Result<(), QueueError> {
-    let r = sqlx::query(
-        r#"UPDATE jobs SET state = 'available', run_at = now(), finished_at = NULL, effect_started_at = NULL,
-               max_attempts = greatest(max_attempts, attempt + 1)
-           WHERE id = $1 AND state IN ('parked', 'failed')"#,
-    )
-    .bind(id)
-    .execute(db)
-    .await?;
-    if r.rows_affected() == 0 {
-        return Err(QueueError::InvalidTransition { id, from: "not parked or failed", action: "retry" });
+    let (found, revived): (bool, bool) = sqlx::query_as(RETRY_NOW_SQL).bind(id).fetch_one(db).await?;
+    match (found, revived) {
+        (_, true) => Ok(()),
+        (false, false) => Err(QueueError::InvalidTransition { id, from: "not parked or failed", action: "retry" }),
+        (true, false) => {
+            Err(QueueError::InvalidTransition { id, from: "failed, its key held by a live job", action: "retry" })
+        }
     }
-    Ok(())
 }
+
+/// [`retry_now`] of job `$1`: a parked one where it is, a failed one moved back from the
+/// finished jobs into the ring (if its key is free). Returns whether the job was found
+/// parked or failed, and whether it is available now.
+const RETRY_NOW_SQL: &str = concat!(
+    "WITH target AS (SELECT id, state, unique_key FROM jobs WHERE id = $1 AND state IN ('parked', 'failed') FOR UPDATE), ",
+    "parked AS (UPDATE jobs j SET state = 'available', run_at = now(), effect_started_at = NULL, ",
+    "max_attempts = greatest(j.max_attempts, j.attempt + 1) ",
+    "FROM target t WHERE j.id = t.id AND t.state = 'parked' AND j.state = 'parked' RETURNING j.id), ",
+    "gone AS (DELETE FROM jobs j USING target t WHERE j.id = t.id AND t.state = 'failed' AND j.state = 'failed' ",
+    "AND (t.unique_key IS NULL OR airlock_job_key_free(t.unique_key)) RETURNING j.*), ",
+    "revived AS (INSERT INTO jobs (",
+    job_columns!(),
+    ") SELECT id, kind, queue, payload, 'available', priority, now(), attempt, greatest(max_attempts, attempt + 1), ",
+    "effect_class, NULL, NULL, NULL, heartbeat_at, attempted_at, last_error, unique_key, created_at, NULL, ",
+    "airlock_job_slot() FROM gone RETURNING id) ",
+    "SELECT EXISTS (SELECT 1 FROM target), EXISTS (SELECT 1 FROM parked UNION ALL SELECT 1 FROM revived)"
+);
 
 /// The live job (`available`, `running` or `parked`) holding `unique_key`, with its state.
 pub async fn find_live(db: impl PgExecutor<'_>, unique_key: &str) -> Result<Option<(JobId, JobState)>, QueueError> {
@@ -57,10 +76,14 @@ pub async fn settle_parked(db: impl PgExecutor<'_>, id: JobId, to: JobState, not
     if !matches!(to, JobState::Completed | JobState::Cancelled) {
         return Err(QueueError::InvalidTransition { id, from: "parked", action: "settle" });
     }
-    sqlx::query(
-        r#"UPDATE jobs SET state = $2, finished_at = now(), effect_started_at = NULL, last_error = $3
-           WHERE id = $1 AND state = 'parked'"#,
-    )
+    sqlx::query(concat!(
+        "WITH gone AS (DELETE FROM jobs WHERE id = $1 AND state = 'parked' RETURNING *) ",
+        "INSERT INTO jobs (",
+        job_columns!(),
+        ") SELECT ",
+        finished_row!("$2", "$3"),
+        " FROM gone"
+    ))
     .bind(id)
     .bind(to)
     .bind(truncate_error(&format!("settled by a human: {note}")))

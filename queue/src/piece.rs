@@ -28,25 +28,36 @@ pub fn mark_effect_started(qb: &mut Builder, cte: &str, leases: &[Lease]) {
     qb.push(" AND j.lease_expires_at > now() RETURNING j.id, j.attempt)");
 }
 
-/// Pushes `cte AS (…)`: completes each job held under `leases`. Yields `(id, attempt)` for
-/// each job completed; the others (lost leases) are left untouched. Join on both.
+/// Pushes `cte AS (…)`, preceded by a helper `cte_gone AS (…)`: completes each job held
+/// under `leases` (moves it to the finished jobs). Yields `(id, attempt)` for each job
+/// completed; the others (lost leases) are left untouched. Join on both.
 /// Like every completion of this process, it deletes the rows instead while
 /// [`crate::set_delete_completed`] is on.
 pub fn complete(qb: &mut Builder, cte: &str, leases: &[Lease]) {
     if crate::deletes_completed() {
         qb.push(cte).push(" AS (DELETE FROM jobs j");
         push_held_where(qb, leases, "USING");
-    } else {
-        qb.push(cte).push(concat!(" AS (UPDATE jobs j SET ", completed!()));
-        push_held_where(qb, leases, "FROM");
+        qb.push(" RETURNING j.id, j.attempt)");
+        return;
     }
-    qb.push(" RETURNING j.id, j.attempt)");
+    qb.push(cte).push("_gone AS (DELETE FROM jobs j");
+    push_held_where(qb, leases, "USING");
+    qb.push(" RETURNING j.*), ").push(cte).push(concat!(
+        " AS (INSERT INTO jobs (",
+        job_columns!(),
+        ") SELECT ",
+        finished_row!("'completed'", "last_error"),
+        " FROM "
+    ));
+    qb.push(cte).push("_gone RETURNING id, attempt)");
 }
 
 /// Pushes `cte AS (…)`: inserts `jobs`, without a NOTIFY (wake the workers with a
 /// [`crate::Waker`] after the commit), only if the CTE `guard` yields a row. A job whose
-/// unique key a live job holds already is skipped. Yields `(id)` of each job inserted.
+/// unique key a live job holds already, or an earlier job of `jobs` holds, is skipped.
+/// Yields `(id)` of each job inserted.
 pub fn enqueue_if(qb: &mut Builder, cte: &str, jobs: &[NewJob], guard: &str) {
+    let jobs: Vec<&NewJob> = crate::enqueue::first_of_each_key(jobs).map(|(_, j)| j).collect();
     let ids: Vec<_> = jobs.iter().map(|_| airlock_core::ids::JobId::new()).collect();
     qb.push(cte).push(
         " AS (INSERT INTO jobs (id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key) \
@@ -67,10 +78,7 @@ pub fn enqueue_if(qb: &mut Builder, cte: &str, jobs: &[NewJob], guard: &str) {
         "AS t(id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key) \
          WHERE EXISTS (SELECT 1 FROM ",
     );
-    qb.push(guard).push(
-        ") ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND state IN ('available', 'running', 'parked') \
-         DO NOTHING RETURNING id)",
-    );
+    qb.push(guard).push(") AND (t.unique_key IS NULL OR airlock_job_key_free(t.unique_key)) RETURNING id)");
 }
 
 /// Pushes a condition that holds while `lease` is held (the job `running` at that epoch):

@@ -363,6 +363,17 @@ pub struct WorkerConfig {
     pub first_analyze_rows: i64,
     /// How often a worker looks for such tables (a read of the table statistics).
     pub first_analyze_interval_ms: u64,
+    /// How long a slot of the queue's ring stays the one new jobs go to. The versions that
+    /// claims and completions leave in a slot are reclaimed when it is truncated, once it is
+    /// no longer current and none of its jobs is live: at a pinned xmin horizon, the queue's
+    /// dead rows stay below about twice this long's worth of its traffic.
+    pub ring_slot_seconds: u64,
+    /// The longest a truncation of a slot waits for the slot's lock, during which the
+    /// queue's other statements wait behind it; past it, it is tried again a moment later.
+    pub ring_lock_timeout_ms: u64,
+    /// Jobs moved per statement when a slot must be emptied of live jobs that outlived it
+    /// (every slot still holds some when the current one is due to change).
+    pub ring_move_batch: i32,
     /// Registers the `diag.*` job kinds used to check a fleet end to end.
     pub diagnostic_jobs: bool,
     /// Where the worker serves `/healthz`, `/readyz` and `/metrics`; unset serves nothing.
@@ -389,6 +400,9 @@ impl Default for WorkerConfig {
             heartbeat_seconds: 5,
             first_analyze_rows: 1000,
             first_analyze_interval_ms: 2000,
+            ring_slot_seconds: 10,
+            ring_lock_timeout_ms: 100,
+            ring_move_batch: 1000,
             diagnostic_jobs: false,
             metrics_listen: None,
             node_id: None,
@@ -597,6 +611,15 @@ impl Config {
         }
         if self.worker.first_analyze_interval_ms < 100 {
             return Err(invalid("worker.first_analyze_interval_ms", "must be at least 100"));
+        }
+        if !(1..=3600).contains(&self.worker.ring_slot_seconds) {
+            return Err(invalid("worker.ring_slot_seconds", "must be between 1 and 3600"));
+        }
+        if !(1..=10_000).contains(&self.worker.ring_lock_timeout_ms) {
+            return Err(invalid("worker.ring_lock_timeout_ms", "must be between 1 and 10000"));
+        }
+        if !(1..=100_000).contains(&self.worker.ring_move_batch) {
+            return Err(invalid("worker.ring_move_batch", "must be between 1 and 100000"));
         }
         if !(0.0..=1.0).contains(&self.scoring.review_threshold) {
             return Err(invalid("scoring.review_threshold", "must be between 0 and 1"));

@@ -113,7 +113,7 @@ async fn check_protocol(lines: &[String], pool: &PgPool, db_name: &str) -> BTree
     // Every declared table and index exists, and the static manifest is a subset.
     let tables: Vec<&str> = d["event_tables"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     let indexes: Vec<&str> = d["event_indexes"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-    assert!(tables.contains(&"public.jobs"), "{tables:?}");
+    assert!(tables.contains(&"public.jobs_ring_0") && tables.contains(&"public.jobs_done"), "{tables:?}");
     for name in tables.iter().chain(&indexes) {
         let found: Option<String> =
             sqlx::query_scalar("SELECT to_regclass($1)::text").bind(name).fetch_one(pool).await.unwrap();

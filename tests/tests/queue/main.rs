@@ -1,5 +1,5 @@
 //! The job queue against a real Postgres: claims, fencing, rescue, retention, wake-ups,
-//! and the worker's maintenance passes.
+//! the worker's maintenance passes, and the ring of live partitions.
 //!
 //! One test binary for the group; each module is a suite.
 #![allow(clippy::unwrap_used)]
@@ -7,3 +7,4 @@
 mod jobs;
 mod lifecycle;
 mod maintenance;
+mod ring;

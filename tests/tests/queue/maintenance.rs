@@ -238,40 +238,63 @@ async fn enqueue_counted(pool: &PgPool, n: usize) {
     sqlx::query("SELECT 1").execute(&mut *conn).await.unwrap();
 }
 
-/// `jobs`' statistics: (analyzed at all, rows the planner believes it has).
-async fn jobs_statistics(pool: &PgPool) -> (bool, f32) {
+/// A table's statistics: (analyzed at all, rows the planner believes it has).
+async fn statistics_of(pool: &PgPool, table: &str) -> (bool, f32) {
     sqlx::query_as(
         r#"SELECT s.last_analyze IS NOT NULL OR s.last_autoanalyze IS NOT NULL, c.reltuples
-           FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid WHERE s.relid = 'jobs'::regclass"#,
+           FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid WHERE s.relid = $1::regclass"#,
     )
+    .bind(table)
     .fetch_one(pool)
     .await
     .unwrap()
 }
 
+/// Writes `n` finished jobs on one connection and has it publish its table counters at once.
+async fn finished_counted(pool: &PgPool, n: i64) {
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query(
+        "INSERT INTO jobs (id, kind, queue, state, attempt, finished_at) \
+         SELECT gen_random_uuid(), 't', 'default', 'completed', 1, now() FROM generate_series(1, $1)",
+    )
+    .bind(n)
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    sqlx::query("SELECT pg_stat_force_next_flush()").execute(&mut *conn).await.unwrap();
+    sqlx::query("SELECT 1").execute(&mut *conn).await.unwrap();
+}
+
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn a_table_never_analyzed_is_analyzed_once_it_holds_work_and_then_left_to_autovacuum(pool: PgPool) {
     let stats = WorkerStats::default();
-    assert_eq!(jobs_statistics(&pool).await, (false, -1.0), "a new database's jobs table has no statistics");
+    assert_eq!(statistics_of(&pool, "jobs_done").await, (false, -1.0), "a new database's tables have no statistics");
 
     // Below the threshold: nothing is analyzed.
-    enqueue_counted(&pool, 600).await;
+    finished_counted(&pool, 600).await;
     let analyzed = statistics::run_once(&pool, 1000, &stats).await.unwrap();
-    assert!(!analyzed.contains(&"jobs".to_string()), "{analyzed:?}");
-    assert!(!jobs_statistics(&pool).await.0);
+    assert!(!analyzed.contains(&"jobs_done".to_string()), "{analyzed:?}");
+    assert!(!statistics_of(&pool, "jobs_done").await.0);
 
     // At it: analyzed, and the planner knows the rows.
-    enqueue_counted(&pool, 400).await;
+    finished_counted(&pool, 400).await;
     let analyzed = statistics::run_once(&pool, 1000, &stats).await.unwrap();
-    assert!(analyzed.contains(&"jobs".to_string()), "{analyzed:?}");
-    assert_eq!(jobs_statistics(&pool).await, (true, 1000.0));
+    assert!(analyzed.contains(&"jobs_done".to_string()), "{analyzed:?}");
+    assert_eq!(statistics_of(&pool, "jobs_done").await, (true, 1000.0));
     assert_eq!(WorkerStats::get(&stats.analyzed), analyzed.len() as u64);
 
     // Never again, however much is written after: autovacuum keeps the statistics from here.
-    enqueue_counted(&pool, 3000).await;
+    finished_counted(&pool, 3000).await;
     let again = statistics::run_once(&pool, 1000, &stats).await.unwrap();
-    assert!(!again.contains(&"jobs".to_string()), "{again:?}");
-    assert_eq!(jobs_statistics(&pool).await, (true, 1000.0));
+    assert!(!again.contains(&"jobs_done".to_string()), "{again:?}");
+    assert_eq!(statistics_of(&pool, "jobs_done").await, (true, 1000.0));
+
+    // The ring's slots never: they are kept without statistics, whatever they hold (and
+    // neither are the partitioned tables, whose ANALYZE would reach the slots).
+    enqueue_counted(&pool, 3000).await;
+    let analyzed = statistics::run_once(&pool, 1000, &stats).await.unwrap();
+    assert!(analyzed.iter().all(|t| !t.starts_with("jobs_ring") && t != "jobs" && t != "jobs_live"), "{analyzed:?}");
+    assert_eq!(statistics_of(&pool, "jobs_ring_0").await, (false, -1.0));
 
     // Every table it analyzed is one that had no statistics: none is analyzed twice.
     let analyzed_twice: i64 = sqlx::query_scalar(
@@ -284,7 +307,7 @@ async fn a_table_never_analyzed_is_analyzed_once_it_holds_work_and_then_left_to_
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
-async fn a_worker_analyzes_a_new_jobs_table_while_it_drains_it(pool: PgPool) {
+async fn a_worker_analyzes_the_finished_jobs_while_it_drains_its_queue(pool: PgPool) {
     airlock_tests::harness::init_logs();
     let mut registry = airlock_worker::Registry::new();
     registry.register_fn("t", |_ctx| async { Ok(airlock_worker::Outcome::Completed) });
@@ -298,26 +321,27 @@ async fn a_worker_analyzes_a_new_jobs_table_while_it_drains_it(pool: PgPool) {
     let stop = CancellationToken::new();
     let running = tokio::spawn(worker.run(stop.clone()));
     enqueue_counted(&pool, 500).await;
-    // The worker's tick finds the table and analyzes it (the wait is bounded; the check is
-    // what it found).
+    // The worker's tick finds the finished jobs' table filling and analyzes it (the wait is
+    // bounded; the check is what it found).
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !jobs_statistics(&pool).await.0 {
-        assert!(tokio::time::Instant::now() < deadline, "the worker never analyzed jobs");
+    while !statistics_of(&pool, "jobs_done").await.0 {
+        assert!(tokio::time::Instant::now() < deadline, "the worker never analyzed jobs_done");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     stop.cancel();
     running.await.unwrap().unwrap();
     assert!(WorkerStats::get(&stats.analyzed) >= 1);
     let manual: Option<i64> =
-        sqlx::query_scalar("SELECT autoanalyze_count FROM pg_stat_user_tables WHERE relid = 'jobs'::regclass")
+        sqlx::query_scalar("SELECT autoanalyze_count FROM pg_stat_user_tables WHERE relid = 'jobs_done'::regclass")
             .fetch_one(&pool)
             .await
             .unwrap();
     assert_eq!(manual, Some(0), "the worker analyzed it, not autovacuum");
+    assert!(!statistics_of(&pool, "jobs_ring_0").await.0, "the ring's slot it drained was left without statistics");
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
-async fn the_worker_can_tell_when_autovacuum_leaves_jobs_unvacuumed(pool: PgPool) {
+async fn the_worker_can_tell_when_autovacuum_leaves_the_long_lived_jobs_unvacuumed(pool: PgPool) {
     // What the server says, whatever this machine's configuration is.
     let server_off: bool = sqlx::query_scalar(
         "SELECT NOT current_setting('autovacuum')::bool OR NOT current_setting('track_counts')::bool",
@@ -325,20 +349,20 @@ async fn the_worker_can_tell_when_autovacuum_leaves_jobs_unvacuumed(pool: PgPool
     .fetch_one(&pool)
     .await
     .unwrap();
-    let off = |pool: PgPool| async move { airlock_core::db::autovacuum_off(&pool, "jobs").await.unwrap() };
+    let off = |pool: PgPool| async move { airlock_core::db::autovacuum_off(&pool, "jobs_long").await.unwrap() };
     assert_eq!(off(pool.clone()).await, server_off, "as the server runs it");
 
     // Turned off for the table alone: off, whatever the server runs.
-    sqlx::query("ALTER TABLE jobs SET (autovacuum_enabled = false)").execute(&pool).await.unwrap();
-    assert!(off(pool.clone()).await, "autovacuum_enabled = false on jobs");
-    sqlx::query("ALTER TABLE jobs SET (autovacuum_enabled = true)").execute(&pool).await.unwrap();
+    sqlx::query("ALTER TABLE jobs_long SET (autovacuum_enabled = false)").execute(&pool).await.unwrap();
+    assert!(off(pool.clone()).await, "autovacuum_enabled = false on jobs_long");
+    sqlx::query("ALTER TABLE jobs_long SET (autovacuum_enabled = true)").execute(&pool).await.unwrap();
     assert_eq!(off(pool.clone()).await, server_off, "back on for the table");
     // However the value is spelled.
-    sqlx::query("ALTER TABLE jobs SET (autovacuum_enabled = off)").execute(&pool).await.unwrap();
-    assert!(off(pool.clone()).await, "autovacuum_enabled = off on jobs");
-    sqlx::query("ALTER TABLE jobs SET (autovacuum_enabled = 1)").execute(&pool).await.unwrap();
-    assert_eq!(off(pool.clone()).await, server_off, "autovacuum_enabled = 1 on jobs");
-    sqlx::query("ALTER TABLE jobs RESET (autovacuum_enabled)").execute(&pool).await.unwrap();
+    sqlx::query("ALTER TABLE jobs_long SET (autovacuum_enabled = off)").execute(&pool).await.unwrap();
+    assert!(off(pool.clone()).await, "autovacuum_enabled = off on jobs_long");
+    sqlx::query("ALTER TABLE jobs_long SET (autovacuum_enabled = 1)").execute(&pool).await.unwrap();
+    assert_eq!(off(pool.clone()).await, server_off, "autovacuum_enabled = 1 on jobs_long");
+    sqlx::query("ALTER TABLE jobs_long RESET (autovacuum_enabled)").execute(&pool).await.unwrap();
     assert_eq!(off(pool.clone()).await, server_off);
 
     // A table that does not exist is judged by the server's setting alone, not an error.

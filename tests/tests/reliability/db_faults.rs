@@ -146,8 +146,9 @@ async fn statement_timeouts_in_b_are_retried_from_memory_until_recorded(pool: Pg
     invariants::check(&app.pool, &app.smtp.accepted(), &app.hooks.hits()).await.unwrap().assert_clean();
 }
 
-/// Makes every UPDATE of a job slow (half a second) while `slow_jobs.on` is set, and
-/// counts, in a sequence (which a rollback does not undo), those that change a job's state.
+/// Makes every UPDATE or DELETE of a job slow (half a second) while `slow_jobs.on` is set,
+/// and counts, in a sequence (which a rollback does not undo), those that change a job's
+/// state (a job that finishes leaves its live partition: a DELETE, then an INSERT).
 async fn slow_job_updates(app: &TestApp) {
     for sql in [
         "CREATE TABLE slow_jobs (on_ boolean NOT NULL)",
@@ -156,14 +157,17 @@ async fn slow_job_updates(app: &TestApp) {
         r#"CREATE FUNCTION slow_job_update() RETURNS trigger LANGUAGE plpgsql AS $$
            BEGIN
                IF (SELECT on_ FROM slow_jobs) THEN
-                   IF NEW.state IS DISTINCT FROM OLD.state THEN
+                   IF TG_OP = 'DELETE' OR NEW.state IS DISTINCT FROM OLD.state THEN
                        PERFORM nextval('slow_job_state_changes');
                    END IF;
                    PERFORM pg_sleep(0.5);
                END IF;
+               IF TG_OP = 'DELETE' THEN
+                   RETURN OLD;
+               END IF;
                RETURN NEW;
            END $$"#,
-        "CREATE TRIGGER slow_job_update BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION slow_job_update()",
+        "CREATE TRIGGER slow_job_update BEFORE UPDATE OR DELETE ON jobs FOR EACH ROW EXECUTE FUNCTION slow_job_update()",
     ] {
         sqlx::query(sql).execute(&app.pool).await.unwrap();
     }

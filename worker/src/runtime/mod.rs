@@ -12,8 +12,8 @@
 //! - `complete`: the completion loop, which batches completions, and their accounting.
 //! - `listen`: LISTEN/NOTIFY wake-ups.
 //! - [`in_flight`]: the jobs the worker holds, which the heartbeat extends.
-//! - [`heartbeat`], [`rescue`], [`retention`], [`statistics`], [`partitions`]: the maintenance loops, each a
-//!   tick and a `run_once` that tests call directly.
+//! - [`heartbeat`], [`rescue`], [`retention`], [`statistics`], [`partitions`], [`ring`]: the
+//!   maintenance loops, each a tick and a `run_once` that tests call directly.
 //!
 //! Invariants:
 //! - Jobs are claimed for free slots. Only a prefetching worker (`claim_batch` above
@@ -48,6 +48,7 @@ mod listen;
 pub mod partitions;
 pub mod rescue;
 pub mod retention;
+pub mod ring;
 pub mod statistics;
 
 pub use heartbeat::{Heartbeat, HeartbeatCounts};
@@ -89,6 +90,8 @@ pub struct WorkerSettings {
     pub first_analyze_interval: Duration,
     /// The event log's partitions and archive.
     pub log: partitions::LogSettings,
+    /// How the queue's ring of live partitions turns.
+    pub ring: ring::RingSettings,
 }
 
 impl WorkerSettings {
@@ -115,6 +118,7 @@ impl WorkerSettings {
             first_analyze: Some(w.first_analyze_rows).filter(|&n| n > 0),
             first_analyze_interval: Duration::from_millis(w.first_analyze_interval_ms.max(100)),
             log: partitions::LogSettings::from_config(&cfg.retention),
+            ring: ring::RingSettings::from_config(w),
         }
     }
 
@@ -196,14 +200,15 @@ impl Worker {
         airlock_queue::fleet::register(&self.pool, &s.id, &hostname(), s.queues.as_deref(), s.concurrency as i32)
             .await?;
         tracing::info!(worker.id = %s.id, concurrency = s.concurrency, "worker started");
-        match airlock_core::db::autovacuum_off(&self.pool, "jobs").await {
+        match airlock_core::db::autovacuum_off(&self.pool, "jobs_long").await {
             Ok(false) => {}
             Ok(true) => tracing::warn!(
-                "autovacuum is off for the jobs table (the server's autovacuum or track_counts, or the table's \
-                 autovacuum_enabled): nothing removes the row versions claims and completions leave, and claims \
-                 slow as they pile up; turn it on, or vacuum jobs on a schedule"
+                "autovacuum is off for jobs_long (the server's autovacuum or track_counts, or the table's \
+                 autovacuum_enabled): the queue's ring is reclaimed by truncation, but nothing removes the row \
+                 versions of the jobs that outlive their slot (parked, paused, long-running), and claims slow as \
+                 they pile up there; turn it on, or vacuum jobs_long and jobs_done on a schedule"
             ),
-            Err(e) => tracing::warn!(error = %e, "could not read whether autovacuum runs for the jobs table"),
+            Err(e) => tracing::warn!(error = %e, "could not read whether autovacuum runs for jobs_long"),
         }
 
         let in_flight = InFlight::default();
@@ -241,6 +246,7 @@ impl Worker {
             ));
         }
         loops.spawn(partitions::partitions_loop(self.pool.clone(), s.log, s.retention_interval, background.clone()));
+        loops.spawn(ring::ring_loop(self.pool.clone(), s.ring, background.clone()));
         if let Some(min_changes) = s.first_analyze {
             loops.spawn(statistics::statistics_loop(
                 self.pool.clone(),

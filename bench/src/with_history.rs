@@ -262,31 +262,41 @@ async fn plans(db: &Db) -> anyhow::Result<String> {
         sqlx::query("DEALLOCATE list").execute(&mut *conn).await?;
     }
     // A delivery of the history as its view reads it, and the claim over the history's
-    // finished jobs (in a transaction rolled back: an EXPLAIN ANALYZE of it claims).
-    let claim = airlock_queue::claim::claim_sql(&[], false);
+    // finished jobs as its function runs it (in a transaction rolled back: an EXPLAIN ANALYZE
+    // of it claims).
     let delivery = format!("'{id}'");
     let statements = [
         ("GET /admin/v1/deliveries/{id}, the delivery of the history", GET_SQL, delivery.as_str()),
         ("GET /admin/v1/deliveries/{id}, its events (hot log and archive)", EVENTS_SQL, delivery.as_str()),
-        (
-            "a worker's claim, unbounded, beside the history's finished jobs",
-            claim.as_str(),
-            "'bench-plan', NULL, 10, 30",
-        ),
     ];
     for (what, sql, args) in statements {
         sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE shown AS {sql}"))).execute(&mut *conn).await?;
-        sqlx::query("BEGIN").execute(&mut *conn).await?;
-        let plan: Vec<String> =
-            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN (ANALYZE, BUFFERS) EXECUTE shown({args})")))
-                .fetch_all(&mut *conn)
-                .await?;
-        sqlx::query("ROLLBACK").execute(&mut *conn).await?;
+        out.push_str(&format!("{what}, generic plan:\n{}\n\n", explain(&mut conn, "shown", args).await?.join("\n")));
         sqlx::query("DEALLOCATE shown").execute(&mut *conn).await?;
-        out.push_str(&format!("{what}, generic plan:\n{}\n\n", plan.join("\n")));
     }
+    let claim = airlock_bench::plans::prepare_function(&mut conn, "airlock_jobs_claim").await?;
+    for statement in &claim {
+        let plan = explain(&mut conn, statement, "'bench-plan', NULL, '{}', 10, 30, NULL, NULL").await?;
+        out.push_str(&format!(
+            "a worker's claim (airlock_jobs_claim), unbounded, beside the history's finished jobs, generic plan:\n{}\n\n",
+            plan.join("\n")
+        ));
+    }
+    airlock_bench::plans::unprepare(&mut conn, &claim).await?;
+    sqlx::query("SET plan_cache_mode = force_generic_plan").execute(&mut *conn).await?;
     sqlx::query("RESET plan_cache_mode").execute(&mut *conn).await?;
     Ok(out)
+}
+
+/// `EXPLAIN (ANALYZE, BUFFERS)` of the statement prepared as `name` with `args`, in a
+/// transaction rolled back.
+async fn explain(conn: &mut sqlx::PgConnection, name: &str, args: &str) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query("BEGIN").execute(&mut *conn).await?;
+    let plan = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN (ANALYZE, BUFFERS) EXECUTE {name}({args})")))
+        .fetch_all(&mut *conn)
+        .await;
+    sqlx::query("ROLLBACK").execute(&mut *conn).await?;
+    plan
 }
 
 /// The bench's own connections on either side: its waits and the reads of its results are

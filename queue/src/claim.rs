@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{FromRow, Row};
 
 use crate::job::{Job, QueueError};
-use crate::lease::{Lease, completion_ctes};
+use crate::lease::{Lease, keeps_completed};
 use crate::pauses::paused_queues;
 
 /// Which queues a claim may take from.
@@ -19,43 +19,19 @@ pub struct ClaimFilter {
     pub queues: Option<Vec<String>>,
 }
 
-/// The claim statement: `$1` owner, `$2` queues (NULL: every queue), `$3` limit, `$4`
-/// lease seconds; `{paused}` is empty or a filter that skips the paused queues; `{from}`
-/// is empty or, for a bounded claim, `(priority, run_at) >= ($5, $6)`, where the index
-/// scan starts, and `xmax = '0'`, rows untouched since they were written (see
-/// [`ClaimFrom`]).
+/// The claim statement (see `airlock_jobs_claim`): `$1` owner, `$2` queues (NULL: every
+/// queue), `$3` the queues paused, `$4` limit, `$5` lease seconds, and for a bounded claim
+/// `$6`, `$7`, where it starts (see [`ClaimFrom`]; NULL: from the front).
 ///
 /// Its plan walks the partial index `jobs_claim_idx` of each live partition in claim order
-/// (merged) and stops after `$3` rows, whatever the backlog; the finished jobs' partition
-/// is never read (a test checks it with `EXPLAIN`, generic, and custom for every queue):
-/// - the statement is kept prepared, and its generic plan (which cannot see `$3`) still
-///   updates the picked rows through the primary keys, one lookup of each partition per id
-///   of the array of those it locked (whose length the planner takes for ten whatever the
-///   limit), instead of joining the whole table: as `id = ANY (…)`, a slot of the ring
-///   planned while nearly empty would be read whole at every claim as it fills. It names
-///   `jobs_live`, the live jobs, so the finished ones are not even looked up;
-/// - a worker plans it generically (see `airlock_core::db::generic_plans`): the ring's
-///   slots have no statistics, and a plan for a given list of queues would take the default
-///   selectivity of a queue name (half a percent) and sort the backlog it believes small;
-/// - the paused queues are written into the statement as constants (they change rarely,
-///   so a connection keeps one statement per set it has seen): as a parameter, a generic
-///   plan cannot estimate `queue <> ALL ($5)`, and with one busy queue it expects no row to
-///   pass and sorts the whole backlog.
-const CLAIM_SQL: &str = r#"
-    UPDATE jobs_live j
-    SET state = 'running', attempt = j.attempt + 1, lease_owner = $1,
-        lease_expires_at = now() + make_interval(secs => $4), heartbeat_at = now(),
-        attempted_at = now(), effect_started_at = NULL
-    FROM unnest(ARRAY(
-        SELECT id FROM jobs_live
-        WHERE state = 'available' AND run_at <= now()
-          AND ($2::text[] IS NULL OR queue = ANY ($2)) {paused} {from}
-        ORDER BY priority, run_at, id
-        LIMIT $3
-        FOR UPDATE SKIP LOCKED)) AS picked(id)
-    WHERE j.id = picked.id
-    RETURNING j.*
-"#;
+/// (merged) and stops after `$4` rows, whatever the backlog, and updates the jobs it locked
+/// by one primary-key lookup each; the finished jobs are never read (a test checks the
+/// function's plans, custom and generic). The function's settings leave the planner only the
+/// indexes: the ring's slots have no statistics and are truncated in turn, and a plan made
+/// while they were nearly empty, kept while one fills, would sort its backlog or join it
+/// whole at every claim; and the queues paused, a parameter, would otherwise have a generic
+/// plan expect no row to pass and sort the whole backlog.
+pub const CLAIM_SQL: &str = "SELECT * FROM airlock_jobs_claim($1, $2, $3, $4, $5, $6, $7)";
 
 /// Where a bounded claim starts in claim order: the claim skips every job that sorts
 /// before `(priority, run_at)`.
@@ -81,22 +57,6 @@ const CLAIM_SQL: &str = r#"
 pub struct ClaimFrom {
     pub priority: i16,
     pub run_at: DateTime<Utc>,
-}
-
-/// The claim statement skipping `paused`, bounded (`$5`, `$6`, see [`ClaimFrom`]) or not.
-pub fn claim_sql(paused: &[String], bounded: bool) -> String {
-    let from = if bounded { "AND (priority, run_at) >= ($5, $6) AND xmax = '0'" } else { "" };
-    let sql = CLAIM_SQL.replace("{from}", from);
-    if paused.is_empty() {
-        return sql.replace("{paused}", "");
-    }
-    let list: Vec<String> = paused.iter().map(|q| sql_literal(q)).collect();
-    sql.replace("{paused}", &format!("AND queue <> ALL (ARRAY[{}]::text[])", list.join(", ")))
-}
-
-/// A string constant that means `s` whatever `standard_conforming_strings` says.
-fn sql_literal(s: &str) -> String {
-    format!("E'{}'", s.replace('\\', "\\\\").replace('\'', "''"))
 }
 
 /// Claims up to `limit` available jobs for `owner`, bumping each one's attempt, in one
@@ -145,25 +105,22 @@ pub async fn complete_and_claim(
         return Ok((Vec::new(), Vec::new()));
     }
     let limit = if nothing_to_claim { 0 } else { claim.limit };
-    let paused = if queues.is_none() { claim.paused } else { &[] };
-    let bounded = claim.from.is_some();
-    let sql = if completing.is_empty() {
-        claim_sql(paused, bounded)
-    } else {
-        complete_and_claim_sql(paused, bounded, completing.len() == 1)
-    };
-    let mut q = sqlx::query(sqlx::AssertSqlSafe(sql))
+    // A claim from named queues has left the paused ones out already.
+    let paused: &[String] = if queues.is_none() { claim.paused } else { &[] };
+    let sql = if completing.is_empty() { CLAIM_SQL } else { COMPLETE_AND_CLAIM_SQL };
+    let mut q = sqlx::query(sql)
         .bind(claim.owner)
         .bind(queues)
+        .bind(paused)
         .bind(limit)
-        .bind(claim.lease.as_secs_f64());
-    if let Some(from) = claim.from {
-        q = q.bind(from.priority).bind(from.run_at);
-    }
+        .bind(claim.lease.as_secs_f64())
+        .bind(claim.from.map(|f| f.priority))
+        .bind(claim.from.map(|f| f.run_at));
     if !completing.is_empty() {
         q = q
             .bind(completing.iter().map(|l| l.id).collect::<Vec<_>>())
-            .bind(completing.iter().map(|l| l.attempt).collect::<Vec<_>>());
+            .bind(completing.iter().map(|l| l.attempt).collect::<Vec<_>>())
+            .bind(keeps_completed());
     }
     let rows = q.fetch_all(db).await?;
     let mut done = Vec::new();
@@ -189,20 +146,14 @@ pub async fn complete_and_claim(
 }
 
 /// The statement of [`complete_and_claim`]: the claim statement's parameters, then the
-/// ids and attempts of the jobs to complete (`one`: a single job, which needs no lock
-/// order). It returns one row per job claimed (at least one row: the job's columns are
-/// NULL when none was) with the completed ids and attempts.
-pub fn complete_and_claim_sql(paused: &[String], bounded: bool, one: bool) -> String {
-    let (ids, attempts) = if bounded { ("$7", "$8") } else { ("$5", "$6") };
-    format!(
-        "WITH {}, claimed AS ({}) \
-         SELECT d.done_ids, d.done_attempts, c.* \
-         FROM (SELECT array_agg(id) AS done_ids, array_agg(attempt) AS done_attempts FROM done) d \
-         LEFT JOIN claimed c ON true",
-        completion_ctes(one).replace("{ids}", ids).replace("{attempts}", attempts),
-        claim_sql(paused, bounded)
-    )
-}
+/// ids and attempts of the jobs to complete and whether their rows are kept (see
+/// `airlock_jobs_complete`). It returns one row per job claimed (at least one row: the job's
+/// columns are NULL when none was) with the completed ids and attempts.
+pub const COMPLETE_AND_CLAIM_SQL: &str = "WITH done AS (SELECT id, attempt FROM airlock_jobs_complete($8, $9, $10)), \
+     claimed AS (SELECT * FROM airlock_jobs_claim($1, $2, $3, $4, $5, $6, $7)) \
+     SELECT d.done_ids, d.done_attempts, c.* \
+     FROM (SELECT array_agg(id) AS done_ids, array_agg(attempt) AS done_attempts FROM done) d \
+     LEFT JOIN claimed c ON true";
 
 /// The queues a claim from named queues may take from, paused ones left out; `None`:
 /// every queue.

@@ -63,8 +63,10 @@ async fn insert_jobs(
     let inserted: Vec<JobId> = sqlx::query_scalar(
         r#"
         WITH inserted AS (
-            INSERT INTO jobs (id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key)
-            SELECT id, kind, queue, payload, priority, coalesce(run_at, now()), max_attempts, effect_class, unique_key
+            INSERT INTO jobs_live (id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key,
+                                   slot)
+            SELECT id, kind, queue, payload, priority, coalesce(run_at, now()), max_attempts, effect_class, unique_key,
+                   (SELECT current FROM job_ring)
             FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[], $5::smallint[],
                         $6::timestamptz[], $7::int[], $8::effect_class[], $9::text[])
                  AS t(id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key)

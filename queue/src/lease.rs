@@ -2,7 +2,6 @@
 //! ends of a claimed job (complete, fail, snooze, release, park). Each is fenced on
 //! `(id, attempt, state = 'running')`; zero rows is [`QueueError::LeaseLost`].
 
-use std::sync::LazyLock;
 use std::time::Duration;
 
 use airlock_core::ids::JobId;
@@ -30,24 +29,16 @@ impl Lease {
     }
 }
 
-/// Extends the lease `$1` id, `$2` attempt by `$3` seconds.
-pub const HEARTBEAT_SQL: &str = r#"UPDATE jobs SET lease_expires_at = now() + make_interval(secs => $3), heartbeat_at = now()
-    WHERE id = $1 AND attempt = $2 AND state = 'running'"#;
+/// Extends the leases whose ids and attempts are the arrays `$1` and `$2` by `$3` seconds
+/// (see `airlock_jobs_heartbeat`), locking the jobs in id order first; yields the
+/// `(id, attempt)` of each lease still held.
+pub const HEARTBEAT_SQL: &str = "SELECT id, attempt FROM airlock_jobs_heartbeat($1, $2, $3)";
 
 /// Extends one lease. Fails with `LeaseLost` when the job is no longer held at this epoch.
 pub async fn heartbeat(db: impl PgExecutor<'_>, lease: Lease, extend: Duration) -> Result<(), QueueError> {
-    let r =
-        sqlx::query(HEARTBEAT_SQL).bind(lease.id).bind(lease.attempt).bind(extend.as_secs_f64()).execute(db).await?;
-    fenced(r, lease)
+    let held = heartbeat_many(db, &[lease], extend).await?;
+    if held.is_empty() { Err(QueueError::lost(lease)) } else { Ok(()) }
 }
-
-/// Extends the leases whose ids and attempts are the arrays `$1` and `$2` by `$3` seconds,
-/// locking the jobs in id order first.
-pub const HEARTBEAT_MANY_SQL: &str = concat!(
-    "UPDATE jobs j SET lease_expires_at = now() + make_interval(secs => $3), heartbeat_at = now() FROM ",
-    held_in_id_order!("$1", "$2"),
-    " WHERE j.id = held.id AND j.state = 'running' RETURNING j.id, j.attempt"
-);
 
 /// Extends many leases in one statement; returns the leases that are still held (the
 /// others were lost and their holders must stop).
@@ -56,13 +47,28 @@ pub async fn heartbeat_many(
     leases: &[Lease],
     extend: Duration,
 ) -> Result<Vec<Lease>, QueueError> {
+    held_by(db, HEARTBEAT_SQL, leases, Some(extend.as_secs_f64())).await
+}
+
+/// Runs `sql`, a statement over the held jobs of the arrays `$1` (ids) and `$2` (attempts)
+/// that yields `(id, attempt)` for each job still held, with `$3` when given; returns those
+/// leases.
+async fn held_by(
+    db: impl PgExecutor<'_>,
+    sql: &'static str,
+    leases: &[Lease],
+    third: Option<f64>,
+) -> Result<Vec<Lease>, QueueError> {
     if leases.is_empty() {
         return Ok(Vec::new());
     }
     let ids: Vec<JobId> = leases.iter().map(|l| l.id).collect();
     let attempts: Vec<i32> = leases.iter().map(|l| l.attempt).collect();
-    let held: Vec<(JobId, i32)> =
-        sqlx::query_as(HEARTBEAT_MANY_SQL).bind(&ids).bind(&attempts).bind(extend.as_secs_f64()).fetch_all(db).await?;
+    let mut q = sqlx::query_as(sql).bind(ids).bind(attempts);
+    if let Some(x) = third {
+        q = q.bind(x);
+    }
+    let held: Vec<(JobId, i32)> = q.fetch_all(db).await?;
     Ok(held.into_iter().map(|(id, attempt)| Lease { id, attempt }).collect())
 }
 
@@ -88,86 +94,31 @@ pub async fn ensure_held(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), Qu
 /// that commits the attempt; it refuses an expired lease, so a holder that was paused past
 /// its lease can never start an effect.
 pub async fn mark_effect_started(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), QueueError> {
-    let r = sqlx::query(MARK_EFFECT_STARTED_SQL).bind(lease.id).bind(lease.attempt).execute(db).await?;
-    fenced(r, lease)
+    let held = held_by(db, MARK_EFFECT_STARTED_SQL, &[lease], None).await?;
+    if held.is_empty() { Err(QueueError::lost(lease)) } else { Ok(()) }
 }
 
-/// Marks the effect of the job held under lease (`$1` id, `$2` attempt) as started, if the
-/// lease has not run out (other crates' statements do it with [`crate::piece`]).
-pub const MARK_EFFECT_STARTED_SQL: &str = r#"UPDATE jobs SET effect_started_at = now()
-    WHERE id = $1 AND attempt = $2 AND state = 'running' AND lease_expires_at > now()"#;
+/// Marks the effect of each job held under the leases of the arrays `$1` (ids) and `$2`
+/// (attempts) as started, if its lease has not run out (see
+/// `airlock_jobs_mark_effect_started`; other crates' statements do it with
+/// [`crate::piece`]); yields the `(id, attempt)` of each one marked.
+pub const MARK_EFFECT_STARTED_SQL: &str = "SELECT id, attempt FROM airlock_jobs_mark_effect_started($1, $2)";
 
-/// Completes the job held under lease (`$1` id, `$2` attempt): moves it to `jobs_done`.
-pub const COMPLETE_HELD_SQL: &str = concat!(
-    "WITH gone AS (DELETE FROM jobs WHERE id = $1 AND attempt = $2 AND state = 'running' RETURNING *) ",
-    insert_completed!("gone")
-);
+/// Completes the held jobs of the arrays `$1` (ids) and `$2` (attempts): moves each to the
+/// finished jobs, or deletes it when `$3` is false (see `airlock_jobs_complete`); yields the
+/// `(id, attempt)` of each one completed.
+pub const COMPLETE_SQL: &str = "SELECT id, attempt FROM airlock_jobs_complete($1, $2, $3)";
 
-/// [`COMPLETE_HELD_SQL`] where completions delete the row (see [`crate::set_delete_completed`]).
-pub const COMPLETE_HELD_DELETE_SQL: &str = "DELETE FROM jobs WHERE id = $1 AND attempt = $2 AND state = 'running'";
+/// Whether this process's completions keep the finished job (`airlock_jobs_complete`'s
+/// `keep`), see [`crate::set_delete_completed`].
+pub(crate) fn keeps_completed() -> bool {
+    !crate::deletes_completed()
+}
 
 /// Completes a held job.
 pub async fn complete(db: impl PgExecutor<'_>, lease: Lease) -> Result<(), QueueError> {
-    let sql = if crate::deletes_completed() { COMPLETE_HELD_DELETE_SQL } else { COMPLETE_HELD_SQL };
-    let r = sqlx::query(sql).bind(lease.id).bind(lease.attempt).execute(db).await?;
-    fenced(r, lease)
-}
-
-/// Common table expressions that complete the held jobs whose ids and attempts are the
-/// arrays `{ids}` and `{attempts}`, fenced on their leases, locking them in id order first:
-/// `done` yields the `(id, attempt)` of each one completed.
-const COMPLETE_CTES: &str = concat!(
-    "gone AS (DELETE FROM jobs d USING ",
-    held_in_id_order!("{ids}", "{attempts}"),
-    " WHERE d.id = held.id AND d.state = 'running' RETURNING d.*), done AS (",
-    insert_completed!("gone"),
-    ")"
-);
-
-/// [`COMPLETE_CTES`] for one job: a statement that waits for one row lock and holds no other
-/// lock of a held job cannot deadlock, and does without the sort and second lookup.
-const COMPLETE_ONE_CTES: &str = concat!(
-    "gone AS (DELETE FROM jobs d USING unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)",
-    " WHERE d.id = t.id AND d.attempt = t.attempt AND d.state = 'running' RETURNING d.*), done AS (",
-    insert_completed!("gone"),
-    ")"
-);
-
-/// [`COMPLETE_CTES`] where completions delete the row.
-const COMPLETE_DELETE_CTES: &str = concat!(
-    "done AS (DELETE FROM jobs d USING ",
-    held_in_id_order!("{ids}", "{attempts}"),
-    " WHERE d.id = held.id AND d.state = 'running' RETURNING d.id, d.attempt)"
-);
-
-/// [`COMPLETE_ONE_CTES`] where completions delete the row.
-const COMPLETE_ONE_DELETE_CTES: &str = concat!(
-    "done AS (DELETE FROM jobs d USING unnest({ids}::uuid[], {attempts}::int[]) AS t(id, attempt)",
-    " WHERE d.id = t.id AND d.attempt = t.attempt AND d.state = 'running' RETURNING d.id, d.attempt)"
-);
-
-/// The common table expressions that complete the held jobs of the arrays `{ids}` and
-/// `{attempts}` (`one`: a single job, which needs no lock order), as this process completes
-/// them (see [`crate::set_delete_completed`]); the last, `done`, yields the `(id, attempt)`
-/// of each one completed.
-pub(crate) fn completion_ctes(one: bool) -> &'static str {
-    match (crate::deletes_completed(), one) {
-        (false, false) => COMPLETE_CTES,
-        (false, true) => COMPLETE_ONE_CTES,
-        (true, false) => COMPLETE_DELETE_CTES,
-        (true, true) => COMPLETE_ONE_DELETE_CTES,
-    }
-}
-
-/// The statement of [`complete_many`]: completes the held jobs whose ids and attempts are
-/// the arrays `$1` and `$2`.
-pub fn complete_many_sql() -> &'static str {
-    fn statement(ctes: &str) -> String {
-        format!("WITH {} SELECT id, attempt FROM done", ctes.replace("{ids}", "$1").replace("{attempts}", "$2"))
-    }
-    static KEEP: LazyLock<String> = LazyLock::new(|| statement(COMPLETE_CTES));
-    static DELETE: LazyLock<String> = LazyLock::new(|| statement(COMPLETE_DELETE_CTES));
-    if crate::deletes_completed() { DELETE.as_str() } else { KEEP.as_str() }
+    let done = complete_many(db, &[lease]).await?;
+    if done.is_empty() { Err(QueueError::lost(lease)) } else { Ok(()) }
 }
 
 /// Completes many held jobs in one statement; returns the leases that were still held
@@ -179,7 +130,7 @@ pub async fn complete_many(db: impl PgExecutor<'_>, leases: &[Lease]) -> Result<
     let ids: Vec<JobId> = leases.iter().map(|l| l.id).collect();
     let attempts: Vec<i32> = leases.iter().map(|l| l.attempt).collect();
     let done: Vec<(JobId, i32)> =
-        sqlx::query_as(sqlx::AssertSqlSafe(complete_many_sql())).bind(&ids).bind(&attempts).fetch_all(db).await?;
+        sqlx::query_as(COMPLETE_SQL).bind(&ids).bind(&attempts).bind(keeps_completed()).fetch_all(db).await?;
     Ok(done.into_iter().map(|(id, attempt)| Lease { id, attempt }).collect())
 }
 
@@ -203,7 +154,7 @@ const FAIL_SQL: &str = concat!(
     "lease_owner = NULL, lease_expires_at = NULL, effect_started_at = NULL ",
     "FROM cur WHERE j.id = cur.id AND NOT cur.last AND j.state = 'running' RETURNING j.state), ",
     "gone AS (DELETE FROM jobs j USING cur WHERE j.id = cur.id AND cur.last AND j.state = 'running' RETURNING j.*), ",
-    "failed AS (INSERT INTO jobs (",
+    "failed AS (INSERT INTO jobs_done (",
     job_columns!(),
     ") SELECT ",
     finished_row!("'failed'", "$3"),

@@ -33,29 +33,14 @@
 //!   `failed`; a `non_repeatable` job whose effect may have started goes to `parked`.
 //! - A job that finishes (completed, failed, cancelled) is deleted from its live partition
 //!   and inserted into `jobs_done` by one statement, never updated across partitions (see
-//!   `insert_completed!`); every other move updates it where it is.
+//!   `airlock_jobs_complete`); every other move updates it where it is.
+//! - A write over held jobs found by their ids (heartbeats, effect marks, completions) runs
+//!   in one of the schema's functions (`airlock_jobs_*`), whose plans reach each job by its
+//!   primary key whatever the planner believes of the ring's slots.
 //! - A unique key is held by at most one live job: whatever makes a job live asks
 //!   `airlock_job_key_free`, which holds the key until its transaction ends.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-
-/// The held jobs among the arrays of ids `$ids` and attempts `$attempts`, locked in id
-/// order, as `held(id)`: what a statement over many held jobs joins, so that two of them
-/// on overlapping jobs (a worker's heartbeat and its completions) take their locks in the
-/// same order and never deadlock. An update alone locks rows in whatever order its plan
-/// meets them: the arrays' order, or the table's on a small table.
-macro_rules! held_in_id_order {
-    ($ids:literal, $attempts:literal) => {
-        concat!(
-            "(SELECT h.id FROM jobs h JOIN unnest(",
-            $ids,
-            "::uuid[], ",
-            $attempts,
-            "::int[]) AS t(id, attempt) ON h.id = t.id AND h.attempt = t.attempt ",
-            "WHERE h.state = 'running' ORDER BY h.id FOR UPDATE OF h) AS held"
-        )
-    };
-}
 
 /// Whether this process's completions delete the job's row instead of keeping it.
 static DELETE_COMPLETED: AtomicBool = AtomicBool::new(false);
@@ -99,25 +84,6 @@ macro_rules! finished_row {
     };
 }
 
-/// `INSERT INTO jobs … SELECT … FROM $gone RETURNING id, attempt`: the jobs of `$gone` (deleted
-/// from their live partitions by the same statement) as completed jobs, which `jobs_done`
-/// keeps. A job finishes by this move, never by an update of its state: a row updated into
-/// another partition makes whoever waited to lock it fail, where a deleted one is passed
-/// over, as a row whose state no longer matched was.
-macro_rules! insert_completed {
-    ($gone:literal) => {
-        concat!(
-            "INSERT INTO jobs (",
-            job_columns!(),
-            ") SELECT ",
-            finished_row!("'completed'", "last_error"),
-            " FROM ",
-            $gone,
-            " RETURNING id, attempt"
-        )
-    };
-}
-
 pub mod claim;
 pub mod enqueue;
 pub mod fleet;
@@ -131,13 +97,12 @@ pub mod retention;
 pub mod ring;
 pub mod waker;
 
-pub use claim::{Claim, ClaimFilter, ClaimFrom, claim_batch, claim_sql, complete_and_claim, complete_and_claim_sql};
+pub use claim::{CLAIM_SQL, COMPLETE_AND_CLAIM_SQL, Claim, ClaimFilter, ClaimFrom, claim_batch, complete_and_claim};
 pub use enqueue::{enqueue, enqueue_many, enqueue_many_quiet};
 pub use job::{DEFAULT_QUEUE, EffectClass, Enqueued, Job, JobAction, JobState, NewJob, QueueError, next};
 pub use lease::{
-    COMPLETE_HELD_DELETE_SQL, COMPLETE_HELD_SQL, ENSURE_HELD_SQL, FailOutcome, HEARTBEAT_MANY_SQL, HEARTBEAT_SQL,
-    Lease, MARK_EFFECT_STARTED_SQL, complete, complete_many, complete_many_sql, ensure_held, fail, heartbeat,
-    heartbeat_many, mark_effect_started, park, release, snooze,
+    COMPLETE_SQL, ENSURE_HELD_SQL, FailOutcome, HEARTBEAT_SQL, Lease, MARK_EFFECT_STARTED_SQL, complete, complete_many,
+    ensure_held, fail, heartbeat, heartbeat_many, mark_effect_started, park, release, snooze,
 };
 pub use operate::{
     QueueCount, StateCount, cancel, count_by_kind_state, count_by_queue_state, find_live, get, list, retry_now,

@@ -12,7 +12,7 @@ use crate::job::{Job, JobState, QueueError, truncate_error};
 pub async fn cancel(db: impl PgExecutor<'_>, id: JobId, reason: &str) -> Result<(), QueueError> {
     let r = sqlx::query(concat!(
         "WITH gone AS (DELETE FROM jobs WHERE id = $1 AND state IN ('available', 'parked') RETURNING *) ",
-        "INSERT INTO jobs (",
+        "INSERT INTO jobs_done (",
         job_columns!(),
         ") SELECT ",
         finished_row!("'cancelled'", "$2"),
@@ -52,11 +52,11 @@ const RETRY_NOW_SQL: &str = concat!(
     "FROM target t WHERE j.id = t.id AND t.state = 'parked' AND j.state = 'parked' RETURNING j.id), ",
     "gone AS (DELETE FROM jobs j USING target t WHERE j.id = t.id AND t.state = 'failed' AND j.state = 'failed' ",
     "AND (t.unique_key IS NULL OR airlock_job_key_free(t.unique_key)) RETURNING j.*), ",
-    "revived AS (INSERT INTO jobs (",
+    "revived AS (INSERT INTO jobs_live (",
     job_columns!(),
     ") SELECT id, kind, queue, payload, 'available', priority, now(), attempt, greatest(max_attempts, attempt + 1), ",
     "effect_class, NULL, NULL, NULL, heartbeat_at, attempted_at, last_error, unique_key, created_at, NULL, ",
-    "airlock_job_slot() FROM gone RETURNING id) ",
+    "(SELECT current FROM job_ring) FROM gone RETURNING id) ",
     "SELECT EXISTS (SELECT 1 FROM target), EXISTS (SELECT 1 FROM parked UNION ALL SELECT 1 FROM revived)"
 );
 
@@ -78,7 +78,7 @@ pub async fn settle_parked(db: impl PgExecutor<'_>, id: JobId, to: JobState, not
     }
     sqlx::query(concat!(
         "WITH gone AS (DELETE FROM jobs WHERE id = $1 AND state = 'parked' RETURNING *) ",
-        "INSERT INTO jobs (",
+        "INSERT INTO jobs_done (",
         job_columns!(),
         ") SELECT ",
         finished_row!("$2", "$3"),

@@ -5,9 +5,9 @@
 //! Each function pushes one common table expression onto the caller's
 //! [`sqlx::QueryBuilder`], binding its own values, so no parameter numbers have to agree
 //! across crates; the caller joins the CTE by the name it gave and the columns documented
-//! here. A piece over one lease uses the plain fenced form; over several it locks the jobs
-//! in id order first, as every statement over many held jobs does (see
-//! `held_in_id_order!`), so two of them cannot deadlock.
+//! here. The pieces that write held jobs call the schema's functions over them
+//! (`airlock_jobs_mark_effect_started`, `airlock_jobs_complete`), which lock the jobs in id
+//! order first, as every statement over many held jobs does, so two of them cannot deadlock.
 
 use sqlx::{Postgres, QueryBuilder};
 
@@ -20,36 +20,23 @@ pub type Builder = QueryBuilder<Postgres>;
 /// Pushes `cte AS (…)`: marks the effect of each job held under `leases` as started, if its
 /// lease has not run out. Yields `(id, attempt)` for each job that was held; the others are
 /// left untouched (their holders lost them). Join on both: a lease that was lost may name a
-/// held job at another epoch. Nothing else of a held job may change its effect
-/// mark.
+/// held job at another epoch. Nothing else of a held job may change its effect mark. The
+/// statement must read the CTE (its function runs whole when it is first read).
 pub fn mark_effect_started(qb: &mut Builder, cte: &str, leases: &[Lease]) {
-    qb.push(cte).push(" AS (UPDATE jobs j SET effect_started_at = now()");
-    push_held_where(qb, leases, "FROM");
-    qb.push(" AND j.lease_expires_at > now() RETURNING j.id, j.attempt)");
+    qb.push(cte).push(" AS (SELECT id, attempt FROM airlock_jobs_mark_effect_started(");
+    push_leases(qb, leases);
+    qb.push("))");
 }
 
-/// Pushes `cte AS (…)`, preceded by a helper `cte_gone AS (…)`: completes each job held
-/// under `leases` (moves it to the finished jobs). Yields `(id, attempt)` for each job
-/// completed; the others (lost leases) are left untouched. Join on both.
-/// Like every completion of this process, it deletes the rows instead while
-/// [`crate::set_delete_completed`] is on.
+/// Pushes `cte AS (…)`: completes each job held under `leases` (moves it to the finished
+/// jobs). Yields `(id, attempt)` for each job completed; the others (lost leases) are left
+/// untouched. Join on both; the statement must read the CTE (its function runs whole when
+/// it is first read). Like every completion of this process, it deletes the rows instead
+/// while [`crate::set_delete_completed`] is on.
 pub fn complete(qb: &mut Builder, cte: &str, leases: &[Lease]) {
-    if crate::deletes_completed() {
-        qb.push(cte).push(" AS (DELETE FROM jobs j");
-        push_held_where(qb, leases, "USING");
-        qb.push(" RETURNING j.id, j.attempt)");
-        return;
-    }
-    qb.push(cte).push("_gone AS (DELETE FROM jobs j");
-    push_held_where(qb, leases, "USING");
-    qb.push(" RETURNING j.*), ").push(cte).push(concat!(
-        " AS (INSERT INTO jobs (",
-        job_columns!(),
-        ") SELECT ",
-        finished_row!("'completed'", "last_error"),
-        " FROM "
-    ));
-    qb.push(cte).push("_gone RETURNING id, attempt)");
+    qb.push(cte).push(" AS (SELECT id, attempt FROM airlock_jobs_complete(");
+    push_leases(qb, leases);
+    qb.push(", ").push_bind(crate::lease::keeps_completed()).push("))");
 }
 
 /// Pushes `cte AS (…)`: inserts `jobs`, without a NOTIFY (wake the workers with a
@@ -60,9 +47,10 @@ pub fn enqueue_if(qb: &mut Builder, cte: &str, jobs: &[NewJob], guard: &str) {
     let jobs: Vec<&NewJob> = crate::enqueue::first_of_each_key(jobs).map(|(_, j)| j).collect();
     let ids: Vec<_> = jobs.iter().map(|_| airlock_core::ids::JobId::new()).collect();
     qb.push(cte).push(
-        " AS (INSERT INTO jobs (id, kind, queue, payload, priority, run_at, max_attempts, effect_class, unique_key) \
+        " AS (INSERT INTO jobs_live (id, kind, queue, payload, priority, run_at, max_attempts, effect_class, \
+                                      unique_key, slot) \
          SELECT t.id, t.kind, t.queue, t.payload, t.priority, coalesce(t.run_at, now()), t.max_attempts, \
-                t.effect_class, t.unique_key \
+                t.effect_class, t.unique_key, (SELECT current FROM job_ring) \
          FROM unnest(",
     );
     qb.push_bind(ids).push("::uuid[], ");
@@ -91,26 +79,10 @@ pub fn push_is_held(qb: &mut Builder, lease: Lease) {
     qb.push(" AND jobs.state = 'running')");
 }
 
-/// ` FROM held WHERE …` (or ` WHERE …` for one lease): restricts an `UPDATE jobs j` to the
-/// jobs held under `leases`, still `running` at their epochs (`join` is `FROM`, or `USING`
-/// for a `DELETE FROM jobs j`). One lease needs no lock order and keeps the plain fenced
-/// form; several are locked in id order first.
-fn push_held_where(qb: &mut Builder, leases: &[Lease], join: &str) {
-    if let [one] = leases {
-        qb.push(" WHERE j.id = ");
-        qb.push_bind(one.id);
-        qb.push(" AND j.attempt = ");
-        qb.push_bind(one.attempt);
-        qb.push(" AND j.state = 'running'");
-        return;
-    }
-    qb.push(" ").push(join).push(" (SELECT h.id FROM jobs h JOIN unnest(");
+/// The arrays of the leases' ids and attempts, as two bound arguments.
+fn push_leases(qb: &mut Builder, leases: &[Lease]) {
     qb.push_bind(leases.iter().map(|l| l.id).collect::<Vec<_>>());
     qb.push("::uuid[], ");
     qb.push_bind(leases.iter().map(|l| l.attempt).collect::<Vec<_>>());
-    qb.push(
-        "::int[]) AS t(id, attempt) ON h.id = t.id AND h.attempt = t.attempt \
-         WHERE h.state = 'running' ORDER BY h.id FOR UPDATE OF h) AS held \
-         WHERE j.id = held.id AND j.state = 'running'",
-    );
+    qb.push("::int[]");
 }

@@ -63,7 +63,7 @@ const RESCUE_SQL: &str = concat!(
         DELETE FROM jobs j USING expired e WHERE j.id = e.id AND NOT e.park AND e.last AND j.state = 'running'
         RETURNING j.*, e.effect_started
     ),
-    failed AS (INSERT INTO jobs ("#,
+    failed AS (INSERT INTO jobs_done ("#,
     job_columns!(),
     ") SELECT ",
     finished_row!("'failed'", "'lease expired'"),

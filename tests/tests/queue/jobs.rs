@@ -400,6 +400,16 @@ async fn assert_live_partitions_through_indexes(pool: &PgPool, case: &str, plan:
     }
 }
 
+async fn prepare_function(conn: &mut sqlx::PgConnection, name: &str) -> Vec<String> {
+    let prepared = airlock_bench::plans::prepare_function(conn, name).await.unwrap();
+    assert!(!prepared.is_empty(), "{name} runs no statement");
+    prepared
+}
+
+async fn unprepare(conn: &mut sqlx::PgConnection, statements: &[String]) {
+    airlock_bench::plans::unprepare(conn, statements).await.unwrap();
+}
+
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
     // A backlog of 50k jobs and the send queue paused (as it is by default): a plan that
@@ -408,58 +418,42 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
     let paused: Vec<String> =
         sqlx::query_scalar("SELECT coalesce(array_agg(queue), '{}') FROM queue_pauses").fetch_one(&pool).await.unwrap();
     assert_eq!(paused, vec!["send".to_string()]);
-    // The statement is kept prepared: its plan must be right generic (the one a worker keeps),
-    // whatever queues are paused, and custom (for its actual values) for a claim from every
-    // queue.
+    // The claim is kept prepared (in its function): its plan must be right both custom (for
+    // its actual values) and generic (the one a worker keeps), whatever queues are paused,
+    // from the front of the claim order or from a worker's cursor.
     let mut conn = pool.acquire().await.unwrap();
-    let cases = [vec![], vec!["send".to_string()], vec!["send".into(), "it's \\ odd".into()]];
-    // `completing`: none, one job, or many (locked in id order).
-    let variants = cases.into_iter().flat_map(|p| {
-        [false, true].into_iter().flat_map(move |bounded| {
-            let p = p.clone();
-            [None, Some(true), Some(false)].into_iter().map(move |completing| (p.clone(), bounded, completing))
-        })
-    });
-    for (paused, bounded, completing) in variants {
-        // Every variant is prepared with the same 8 parameters (the last ones unused by some).
-        let sql = match completing {
-            Some(one) => queue::complete_and_claim_sql(&paused, bounded, one),
-            None => queue::claim_sql(&paused, bounded),
-        };
-        let sql = if completing.is_some() && !bounded {
-            sql.replace("$5::uuid[]", "$7::uuid[]").replace("$6::int[]", "$8::int[]")
-        } else {
-            sql
-        };
-        let sql = format!("PREPARE claim(text, text[], bigint, float8, int2, timestamptz, uuid[], int[]) AS {sql}");
-        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut *conn).await.unwrap();
-        for queues in ["NULL", "'{default}'"] {
-            let args = format!("'w', {queues}, 10, 30, 100, now() - interval '1 hour', '{{}}', '{{}}'");
-            for (mode, plan) in harness::plans(&mut conn, "claim", &args).await {
-                let case =
-                    format!("paused {paused:?}, bounded {bounded}, completing {completing:?}, {mode}, queues {queues}");
-                if mode == "force_custom_plan" && (queues != "NULL" || bounded) {
-                    // Planned for given queues or a given bound, with no statistics of the
-                    // ring's slots, the condition selects a default sliver of a slot: workers
-                    // plan the claim generically, which this is not (see `claim_sql`).
-                    continue;
-                }
-                if bounded {
-                    assert!(plan.contains("ROW(priority, run_at) >="), "{case}: the bound starts the scan: {plan}");
-                }
-                // The backlog's slot is walked in claim order, merged with the other live
-                // partitions' claim indexes.
-                assert!(plan.contains("Index Scan using jobs_ring_0_claim_idx"), "{case}: {plan}");
-                assert!(plan.contains("Merge Append"), "{case}: {plan}");
-                // The only sort is of the jobs completed, into lock order.
-                let sorts: Vec<&str> = plan.lines().filter(|l| l.trim_start().starts_with("->  Sort ")).collect();
-                assert_eq!(
-                    sorts.len(),
-                    usize::from(completing == Some(false)),
-                    "{case}: no sort of the backlog: {plan}"
-                );
-                assert_live_partitions_through_indexes(&pool, &case, &plan).await;
+    let claim = prepare_function(&mut conn, "airlock_jobs_claim").await;
+    assert_eq!(claim.len(), 1);
+    let pauses = ["'{}'", "'{send}'", r#"'{send,"it''s \\ odd"}'"#];
+    let froms = ["NULL, NULL", "100, now() - interval '1 hour'"];
+    for (paused, from, queues) in
+        pauses.iter().flat_map(|p| froms.iter().flat_map(move |f| ["NULL", "'{default}'"].map(move |q| (p, f, q))))
+    {
+        let args = format!("'w', {queues}, {paused}, 10, 30, {from}");
+        for (mode, plan) in harness::plans(&mut conn, &claim[0], &args).await {
+            let case = format!("paused {paused}, from {from}, queues {queues}, {mode}");
+            // The backlog's slot is walked in claim order, from where the claim starts,
+            // merged with the other live partitions' claim indexes.
+            assert!(plan.contains("Index Scan using jobs_ring_0_claim_idx"), "{case}: {plan}");
+            assert!(plan.contains("Merge Append"), "{case}: {plan}");
+            if from.starts_with("100") {
+                assert!(plan.contains("ROW(priority, run_at) >="), "{case}: the bound starts the scan: {plan}");
             }
+            assert!(!plan.contains("Sort  ("), "{case}: no sort of the backlog: {plan}");
+            assert!(!plan.contains("Hash Join") && !plan.contains("Merge Join"), "{case}: {plan}");
+            assert!(!plan.contains("Seq Scan on jobs"), "{case}: no partition read whole: {plan}");
+            assert!(!plan.contains("jobs_done"), "{case}: the finished jobs are never read: {plan}");
+        }
+    }
+    unprepare(&mut conn, &claim).await;
+    // The worker's statements, which call it, with completions or without.
+    for (sql, args) in [
+        (queue::CLAIM_SQL, "'w', NULL, '{}', 10, 30, NULL, NULL".to_string()),
+        (queue::COMPLETE_AND_CLAIM_SQL, "'w', NULL, '{}', 10, 30, NULL, NULL, '{}', '{}', true".to_string()),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE claim AS {sql}"))).execute(&mut *conn).await.unwrap();
+        for (mode, plan) in harness::plans(&mut conn, "claim", &args).await {
+            assert!(plan.contains("Function Scan on airlock_jobs_claim"), "{mode}: {plan}");
         }
         sqlx::query("DEALLOCATE claim").execute(&mut *conn).await.unwrap();
     }
@@ -470,66 +464,60 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn writes_fenced_on_a_lease_find_their_rows_through_the_primary_key(pool: PgPool) {
-    // Statistics taken while no job runs, as a quiet queue's are: the planner believes the
-    // running jobs are few, and would read a partial index of them whole (with every entry
-    // of a job that ran since the last vacuum) rather than look up one id, if a fence let it.
-    analyzed_backlog(&pool, 20_000).await;
+    // The worst time to plan: the slots nearly empty, as just after one was truncated. Reading
+    // a slot whole then looks cheaper than looking jobs up, and a plan kept while the slot
+    // fills would read it whole at every use.
+    analyzed_backlog(&pool, 10).await;
     let held = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10, LEASE).await.unwrap();
     assert_eq!(held.len(), 10);
     let ids = format!("'{{{}}}'", held.iter().map(|j| j.id.to_string()).collect::<Vec<_>>().join(","));
     let attempts = format!("'{{{}}}'", held.iter().map(|j| j.attempt.to_string()).collect::<Vec<_>>().join(","));
-    let one = format!("'{}', {}", held[0].id, held[0].attempt);
-    let many = format!("{ids}, {attempts}");
-    // Other crates' statements fence on held jobs through the queue's pieces: their plans
-    // too, for one lease and for several.
-    let piece = |push: fn(&mut queue::piece::Builder, &str, &[queue::Lease]), leases: &[queue::Lease]| {
-        let mut qb = queue::piece::Builder::new("WITH ");
-        push(&mut qb, "p", leases);
-        qb.push(" SELECT count(*) FROM p");
-        qb.into_string()
-    };
-    let leases: Vec<queue::Lease> = held.iter().map(|j| j.lease()).collect();
-    let mut pieces = vec![
-        piece(queue::piece::mark_effect_started, &leases[..1]),
-        piece(queue::piece::mark_effect_started, &leases),
-        piece(queue::piece::complete, &leases[..1]),
-        piece(queue::piece::complete, &leases),
-    ];
-    // The forms of a process whose completions delete their rows.
-    queue::set_delete_completed(true);
-    pieces.push(piece(queue::piece::complete, &leases[..1]));
-    pieces.push(piece(queue::piece::complete, &leases));
-    let complete_many_deleting = queue::complete_many_sql();
-    queue::set_delete_completed(false);
-    let statements = [
-        ("heartbeat", queue::HEARTBEAT_SQL, format!("{one}, 30")),
-        ("heartbeat_many", queue::HEARTBEAT_MANY_SQL, format!("{many}, 30")),
-        ("ensure_held", queue::ENSURE_HELD_SQL, one.clone()),
-        ("mark_effect_started", queue::MARK_EFFECT_STARTED_SQL, one.clone()),
-        ("complete", queue::COMPLETE_HELD_SQL, one.clone()),
-        ("complete_many", queue::complete_many_sql(), many.clone()),
-        ("piece::mark_effect_started of one", pieces[0].as_str(), one.clone()),
-        ("piece::mark_effect_started of many", pieces[1].as_str(), many.clone()),
-        ("piece::complete of one", pieces[2].as_str(), one.clone()),
-        ("piece::complete of many", pieces[3].as_str(), many.clone()),
-        ("complete, deleting", queue::COMPLETE_HELD_DELETE_SQL, one.clone()),
-        ("complete_many, deleting", complete_many_deleting, many.clone()),
-        ("piece::complete of one, deleting", pieces[4].as_str(), one.clone()),
-        ("piece::complete of many, deleting", pieces[5].as_str(), many.clone()),
-    ];
     let mut conn = pool.acquire().await.unwrap();
-    for (name, sql, args) in statements {
+
+    // The writes over held jobs (heartbeats, effect marks, completions: the queue's and the
+    // other crates' pieces alike) run in the schema's functions; each of their statements,
+    // planned with the function's settings, reaches each job through its primary key.
+    let functions = [
+        ("airlock_jobs_heartbeat", format!("{ids}, {attempts}, 30")),
+        ("airlock_jobs_mark_effect_started", format!("{ids}, {attempts}")),
+        ("airlock_jobs_complete", format!("{ids}, {attempts}, true")),
+    ];
+    for (name, args) in functions {
+        let statements = prepare_function(&mut conn, name).await;
+        for statement in &statements {
+            for (mode, plan) in harness::plans(&mut conn, statement, &args).await {
+                let case = format!("{statement}, {mode}");
+                // The held jobs lie in the ring's first slot.
+                assert!(plan.contains("Index Scan using jobs_ring_0_pkey"), "{case}: {plan}");
+                assert!(!plan.contains("_lease_idx"), "{case}: no read of a lease index: {plan}");
+                assert!(
+                    !plan.contains("Hash Join") && !plan.contains("Merge Join"),
+                    "{case}: no join of whole slots: {plan}"
+                );
+                assert!(!plan.contains("Seq Scan on jobs"), "{case}: no partition read whole: {plan}");
+                let finished =
+                    plan.lines().filter(|l| l.contains("jobs_done")).all(|l| l.contains("Insert on jobs_done"));
+                assert!(finished, "{case}: the finished jobs are written, never read: {plan}");
+            }
+        }
+        unprepare(&mut conn, &statements).await;
+    }
+
+    // The statements that reach one held job by its id, planned as any process plans them.
+    let one = format!("'{}', {}", held[0].id, held[0].attempt);
+    let mut qb = queue::piece::Builder::new("SELECT ");
+    queue::piece::push_is_held(&mut qb, held[0].lease());
+    let is_held = qb.into_string().replace("$1", "$1::uuid").replace("$2", "$2::int");
+    for (name, sql) in [("ensure_held", queue::ENSURE_HELD_SQL), ("piece::push_is_held", is_held.as_str())] {
         sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE fenced AS {sql}"))).execute(&mut *conn).await.unwrap();
-        for (mode, plan) in harness::plans(&mut conn, "fenced", &args).await {
-            // The held jobs lie in the ring's first slot.
+        for (mode, plan) in harness::plans(&mut conn, "fenced", &one).await {
             assert!(plan.contains("Index Scan using jobs_ring_0_pkey"), "{name}, {mode}: {plan}");
-            assert!(!plan.contains("_lease_idx"), "{name}, {mode}: no read of a lease index: {plan}");
             assert_live_partitions_through_indexes(&pool, &format!("{name}, {mode}"), &plan).await;
         }
         sqlx::query("DEALLOCATE fenced").execute(&mut *conn).await.unwrap();
     }
     drop(conn);
-    // The rescuer still finds expired leases through the lease index.
+    // The rescuer still finds expired leases.
     sqlx::query("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE lease_owner IS NOT NULL")
         .execute(&pool)
         .await
@@ -677,12 +665,15 @@ async fn a_job_an_aborted_transaction_touched_is_left_by_bounded_claims_and_take
 /// front of the index or from `from`; the claim is rolled back.
 async fn claim_buffers(pool: &PgPool, from: Option<queue::ClaimFrom>) -> i64 {
     let mut tx = pool.begin().await.unwrap();
-    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", queue::claim_sql(&[], from.is_some()));
-    let mut q = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).bind("w").bind(None::<Vec<String>>).bind(10i64).bind(30.0);
-    if let Some(from) = from {
-        q = q.bind(from.priority).bind(from.run_at);
-    }
-    let plan: serde_json::Value = q.fetch_one(&mut *tx).await.unwrap();
+    let claim = prepare_function(&mut tx, "airlock_jobs_claim").await;
+    let from = match from {
+        Some(f) => format!("{}, '{}'", f.priority, f.run_at.to_rfc3339()),
+        None => "NULL, NULL".to_string(),
+    };
+    let sql =
+        format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {}('w', NULL, '{{}}', 10, 30, {from})", claim[0]);
+    let plan: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&mut *tx).await.unwrap();
+    unprepare(&mut tx, &claim).await;
     tx.rollback().await.unwrap();
     /// The blocks read by the scans of every live partition's claim index under `node`.
     fn scans(node: &serde_json::Value) -> Option<i64> {

@@ -37,8 +37,17 @@ for name, a, b in [("clean", "start", "pinned"), ("pinned", "pinned", "recovery"
         f"{name:<10} {statistics.median(p50):8.1f} {statistics.median(p99):11.1f} / {max(p99):8.1f}"
         f" {statistics.mean(done):12.0f} {max(depth) if depth else 0:13.0f}"
     )
-pin = open(f"{out}/pin.out").read().split()
-print(f"dead tuples in jobs at the end of the pinned phase: {pin[1] if len(pin) > 1 else '?'}")
+# The dead tuples of the queue's partitions through the pin (no vacuum can remove any):
+# the ring's slots together, jobs_long and jobs_done; and the ring's heap on disk.
+dead = [l.split()[1:] for l in open(f"{out}/pin.out") if l.startswith("dead ")]
+if dead:
+    t0 = int(dead[0][0]) - 10
+    print("dead tuples while pinned (s into the pin: ring slots / jobs_long / jobs_done, ring heap MiB):")
+    print("  " + ", ".join(f"{int(t) - t0} s: {r} / {l} / {d}, {int(b) / 2**20:.1f}" for t, r, l, d, b in dead))
+    print(f"  most in the ring's slots: {max(int(r) for _, r, _, _, _ in dead)}; in all the queue's partitions "
+          f"at the end: {sum(int(x) for x in dead[-1][1:4])}")
+else:
+    print("dead tuples while pinned: no sample")
 
 # Back to the offered rate: the first second after Postgres answers from which completions
 # stay at 90 % of the rate or more for 5 s (catch-up above the rate counts).

@@ -107,7 +107,14 @@ pub async fn complete_and_claim(
     let limit = if nothing_to_claim { 0 } else { claim.limit };
     // A claim from named queues has left the paused ones out already.
     let paused: &[String] = if queues.is_none() { claim.paused } else { &[] };
-    let sql = if completing.is_empty() { CLAIM_SQL } else { COMPLETE_AND_CLAIM_SQL };
+    let keep = keeps_completed();
+    // One job completing in a partition it is known to lie in: the statement names it.
+    let slotted = crate::slotted::complete_and_claim_sql(completing, keep);
+    let sql = match slotted {
+        Some(sql) => sql,
+        None if completing.is_empty() => CLAIM_SQL,
+        None => COMPLETE_AND_CLAIM_SQL,
+    };
     let mut q = sqlx::query(sql)
         .bind(claim.owner)
         .bind(queues)
@@ -116,11 +123,13 @@ pub async fn complete_and_claim(
         .bind(claim.lease.as_secs_f64())
         .bind(claim.from.map(|f| f.priority))
         .bind(claim.from.map(|f| f.run_at));
-    if !completing.is_empty() {
+    if slotted.is_some() {
+        q = q.bind(completing[0].id).bind(completing[0].attempt);
+    } else if !completing.is_empty() {
         q = q
             .bind(completing.iter().map(|l| l.id).collect::<Vec<_>>())
             .bind(completing.iter().map(|l| l.attempt).collect::<Vec<_>>())
-            .bind(keeps_completed());
+            .bind(keep);
     }
     let rows = q.fetch_all(db).await?;
     let mut done = Vec::new();
@@ -131,7 +140,7 @@ pub async fn complete_and_claim(
             .unwrap_or_default()
             .into_iter()
             .zip(attempts.unwrap_or_default())
-            .map(|(id, attempt)| Lease { id, attempt })
+            .map(|(id, attempt)| Lease::new(id, attempt))
             .collect();
     }
     let mut jobs = Vec::with_capacity(rows.len());

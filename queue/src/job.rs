@@ -136,12 +136,17 @@ pub struct Job {
     pub unique_key: Option<String>,
     pub created_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
+    /// The partition of `jobs_live` the job was read in (`jobs_ring_<slot>`, or `jobs_long`
+    /// for -1; see `0028_job_ring`), when the statement that read it said so.
+    #[sqlx(default)]
+    #[serde(skip)]
+    pub slot: Option<i16>,
 }
 
 impl Job {
     /// The fencing handle for this claim.
     pub fn lease(&self) -> Lease {
-        Lease { id: self.id, attempt: self.attempt }
+        Lease { id: self.id, attempt: self.attempt, slot: self.slot }
     }
 }
 

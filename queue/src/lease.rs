@@ -11,13 +11,38 @@ use crate::job::{JobState, QueueError, truncate_error};
 
 /// The proof of holding a claimed job: its id and the epoch of the claim. Every write a
 /// holder makes goes through one of these, fenced on both.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+///
+/// It also remembers the live partition the job was claimed in (its `slot`), so that a
+/// completion can name that partition instead of reaching it through all of `jobs_live`
+/// (see [`crate::slotted`]). That is a hint, not part of the lease's identity: a held job
+/// may have moved to `jobs_long` since, and two leases of the same id and attempt are equal.
+#[derive(Debug, Clone, Copy)]
 pub struct Lease {
     pub(crate) id: JobId,
     pub(crate) attempt: i32,
+    pub(crate) slot: Option<i16>,
+}
+
+impl PartialEq for Lease {
+    fn eq(&self, other: &Self) -> bool {
+        (self.id, self.attempt) == (other.id, other.attempt)
+    }
+}
+
+impl Eq for Lease {}
+
+impl std::hash::Hash for Lease {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        (self.id, self.attempt).hash(state);
+    }
 }
 
 impl Lease {
+    /// The lease of a job by its id and attempt alone (its partition unknown).
+    pub(crate) fn new(id: JobId, attempt: i32) -> Self {
+        Lease { id, attempt, slot: None }
+    }
+
     /// The job held.
     pub fn id(self) -> JobId {
         self.id
@@ -69,7 +94,7 @@ async fn held_by(
         q = q.bind(x);
     }
     let held: Vec<(JobId, i32)> = q.fetch_all(db).await?;
-    Ok(held.into_iter().map(|(id, attempt)| Lease { id, attempt }).collect())
+    Ok(held.into_iter().map(|(id, attempt)| Lease::new(id, attempt)).collect())
 }
 
 fn fenced(r: sqlx::postgres::PgQueryResult, lease: Lease) -> Result<(), QueueError> {
@@ -127,11 +152,15 @@ pub async fn complete_many(db: impl PgExecutor<'_>, leases: &[Lease]) -> Result<
     if leases.is_empty() {
         return Ok(Vec::new());
     }
-    let ids: Vec<JobId> = leases.iter().map(|l| l.id).collect();
-    let attempts: Vec<i32> = leases.iter().map(|l| l.attempt).collect();
-    let done: Vec<(JobId, i32)> =
-        sqlx::query_as(COMPLETE_SQL).bind(&ids).bind(&attempts).bind(keeps_completed()).fetch_all(db).await?;
-    Ok(done.into_iter().map(|(id, attempt)| Lease { id, attempt }).collect())
+    let keep = keeps_completed();
+    let done: Vec<(JobId, i32)> = if let Some(sql) = crate::slotted::complete_sql(leases, keep) {
+        sqlx::query_as(sql).bind(leases[0].id).bind(leases[0].attempt).fetch_all(db).await?
+    } else {
+        let ids: Vec<JobId> = leases.iter().map(|l| l.id).collect();
+        let attempts: Vec<i32> = leases.iter().map(|l| l.attempt).collect();
+        sqlx::query_as(COMPLETE_SQL).bind(&ids).bind(&attempts).bind(keep).fetch_all(db).await?
+    };
+    Ok(done.into_iter().map(|(id, attempt)| Lease::new(id, attempt)).collect())
 }
 
 /// How a failed attempt ended.

@@ -11,6 +11,7 @@
 //! - [`rescue`]: expired leases, retried, failed or parked.
 //! - [`retention`]: pruning finished jobs.
 //! - [`ring`]: the slots live jobs lie in, made current in turn and truncated once done with.
+//! - [`slotted`]: completions of one held job that name its partition.
 //! - [`pauses`]: pausing and resuming named queues.
 //! - [`operate`]: what operators do to jobs nobody holds, and what they read.
 //! - [`fleet`]: the `workers` table, the processes that hold leases.
@@ -95,6 +96,7 @@ pub mod piece;
 pub mod rescue;
 pub mod retention;
 pub mod ring;
+pub mod slotted;
 pub mod waker;
 
 pub use claim::{CLAIM_SQL, COMPLETE_AND_CLAIM_SQL, Claim, ClaimFilter, ClaimFrom, claim_batch, complete_and_claim};

@@ -516,6 +516,31 @@ async fn writes_fenced_on_a_lease_find_their_rows_through_the_primary_key(pool: 
         }
         sqlx::query("DEALLOCATE fenced").execute(&mut *conn).await.unwrap();
     }
+    // A completion of one held job names its slot's partition, and reaches every other
+    // partition only when the job is not there any more (through `airlock_jobs_complete`,
+    // whose plans are above).
+    let lease = [held[0].lease()];
+    let claim_args = "'w', NULL, '{}', 10, 30, NULL, NULL";
+    for keep in [true, false] {
+        let complete = queue::slotted::complete_sql(&lease, keep).unwrap();
+        let complete_and_claim = queue::slotted::complete_and_claim_sql(&lease, keep).unwrap();
+        for (name, sql, args) in [
+            ("complete", complete, one.clone()),
+            ("complete_and_claim", complete_and_claim, format!("{claim_args}, {one}")),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE slotted AS {sql}"))).execute(&mut *conn).await.unwrap();
+            for (mode, plan) in harness::plans(&mut conn, "slotted", &args).await {
+                let case = format!("slotted {name}, keep {keep}, {mode}");
+                assert!(plan.contains("Delete on jobs_ring_0"), "{case}: {plan}");
+                assert!(!plan.contains("jobs_live"), "{case}: the held job's partition alone: {plan}");
+                assert!(plan.contains("Index Scan using jobs_ring_0_pkey"), "{case}: {plan}");
+                assert!(plan.contains("One-Time Filter"), "{case}: the fallback runs only when needed: {plan}");
+                assert!(!plan.contains("Seq Scan"), "{case}: {plan}");
+                assert!(!plan.contains("jobs_ring_1"), "{case}: no other partition: {plan}");
+            }
+            sqlx::query("DEALLOCATE slotted").execute(&mut *conn).await.unwrap();
+        }
+    }
     drop(conn);
     // The rescuer still finds expired leases.
     sqlx::query("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE lease_owner IS NOT NULL")

@@ -197,6 +197,76 @@ async fn jobs_that_outlive_their_slot_move_out_of_the_ring_and_finish_once(pool:
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_completion_that_waited_for_its_slot_to_be_emptied_finds_its_job_moved_and_finishes_it_once(pool: PgPool) {
+    // Two held jobs of slot 0, the one completed alone (by the statement naming its slot's
+    // partition), the other with a claim.
+    for n in 0..3 {
+        enqueue(&pool, NewJob::new("t", json!({ "n": n }))).await;
+    }
+    let held = claim(&pool, 2).await;
+    assert_eq!(held.len(), 2);
+    make_due(&pool).await;
+    assert_eq!(pass(&pool).await.switched, Some(1));
+
+    // The ring empties slot 0, its running jobs included, and keeps its lock until it commits.
+    let mut mover = pool.begin().await.unwrap();
+    let (slot, truncated, moved): (i16, bool, i64) =
+        sqlx::query_as("SELECT * FROM airlock_job_ring_recycle(1000, 0::smallint)")
+            .fetch_one(&mut *mover)
+            .await
+            .unwrap();
+    assert_eq!((slot, truncated, moved), (0, true, 3));
+
+    // Meanwhile the holders complete: both statements wait for the slot's lock.
+    let complete = tokio::spawn({
+        let (pool, lease) = (pool.clone(), held[0].lease());
+        async move { queue::complete(&pool, lease).await }
+    });
+    let complete_and_claim = tokio::spawn({
+        let (pool, lease) = (pool.clone(), held[1].lease());
+        async move {
+            let claim = queue::Claim {
+                owner: "w",
+                filter: &ClaimFilter::default(),
+                limit: 1,
+                lease: LEASE,
+                paused: &[],
+                from: None,
+            };
+            queue::complete_and_claim(&pool, &claim, &[lease]).await
+        }
+    });
+    airlock_tests::harness::wait_for("both completions waiting for the slot", Duration::from_secs(30), || {
+        let pool = pool.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            (waiting == 2).then_some(())
+        }
+    })
+    .await;
+    mover.commit().await.unwrap();
+
+    complete.await.unwrap().unwrap();
+    let (claimed, done) = complete_and_claim.await.unwrap().unwrap();
+    assert_eq!(done, vec![held[1].lease()], "the lease completed where its job went");
+    assert_eq!(claimed.len(), 1, "and the claim took the job left");
+    assert_eq!(partition_of(&pool, claimed[0].id).await, "jobs_long");
+    queue::complete(&pool, claimed[0].lease()).await.unwrap();
+
+    let jobs: Vec<(JobState, i32, String)> =
+        sqlx::query_as("SELECT state, attempt, tableoid::regclass::text FROM jobs").fetch_all(&pool).await.unwrap();
+    assert_eq!(jobs.len(), 3, "no job lost, none duplicated: {jobs:?}");
+    assert!(jobs.iter().all(|j| *j == (JobState::Completed, 1, "jobs_done".to_string())), "{jobs:?}");
+    // A lease completed once is lost to a second completion, wherever the hint points.
+    assert!(matches!(queue::complete(&pool, held[0].lease()).await, Err(QueueError::LeaseLost { .. })));
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn a_truncation_waits_no_longer_than_its_timeout_and_never_takes_a_live_job(pool: PgPool) {
     enqueue(&pool, NewJob::new("t", json!({}))).await;
     assert_eq!(drain(&pool).await, 1);

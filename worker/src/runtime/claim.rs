@@ -516,6 +516,7 @@ mod tests {
             unique_key: None,
             created_at: run_at,
             finished_at: None,
+            slot: None,
         }
     }
 

@@ -7,8 +7,9 @@ use sqlx::PgConnection;
 
 /// Prepares each statement the schema's function `name` runs (each `RETURN QUERY`) as the
 /// function runs it: on `conn`, with the function's settings set for the session, and as a
-/// prepared statement whose parameters are the function's arguments, in order. Returns the
-/// prepared statements' names; [`unprepare`] undoes it.
+/// prepared statement whose parameters are the function's arguments, in order, then its
+/// variables (each `name type;` of its `DECLARE`), in order. Returns the prepared
+/// statements' names; [`unprepare`] undoes it.
 pub async fn prepare_function(conn: &mut PgConnection, name: &str) -> Result<Vec<String>, sqlx::Error> {
     let (types, names, source, settings): (String, Vec<String>, String, Option<Vec<String>>) = sqlx::query_as(
         "SELECT (SELECT string_agg(format_type(t, NULL), ', ' ORDER BY o)
@@ -24,6 +25,12 @@ pub async fn prepare_function(conn: &mut PgConnection, name: &str) -> Result<Vec
             sqlx::query("SELECT set_config($1, $2, false)").bind(key).bind(value).execute(&mut *conn).await?;
         }
     }
+    let (mut names, mut types) = (names, vec![types]);
+    for (variable, of) in variables(&source) {
+        names.push(variable.to_string());
+        types.push(of.to_string());
+    }
+    let types = types.join(", ");
     let mut prepared = Vec::new();
     for (i, body) in source.split("RETURN QUERY").skip(1).enumerate() {
         let mut sql = body[..body.find(';').unwrap_or(body.len())].to_string();
@@ -43,6 +50,18 @@ pub async fn unprepare(conn: &mut PgConnection, statements: &[String]) -> Result
         sqlx::query(sqlx::AssertSqlSafe(format!("DEALLOCATE {s}"))).execute(&mut *conn).await?;
     }
     sqlx::query("RESET ALL").execute(&mut *conn).await.map(drop)
+}
+
+/// The variables a PL/pgSQL body declares (`name type;` between `DECLARE` and `BEGIN`, one
+/// a line), with their types.
+fn variables(source: &str) -> Vec<(&str, &str)> {
+    let Some((_, declared)) = source.split_once("DECLARE") else { return Vec::new() };
+    let declared = declared.split_once("BEGIN").map_or(declared, |(d, _)| d);
+    declared
+        .lines()
+        .filter_map(|line| line.trim().strip_suffix(';')?.split_once(char::is_whitespace))
+        .map(|(name, of)| (name, of.trim()))
+        .collect()
 }
 
 /// `text` with every whole word `word` (not part of a longer name, nor a column of a named
@@ -65,7 +84,14 @@ fn replace_word(text: &str, word: &str, with: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::replace_word;
+    use super::{replace_word, variables};
+
+    #[test]
+    fn declared_variables_are_read_with_their_types() {
+        let body = "\n#variable_conflict use_column\nDECLARE\n    s0 smallint;\n    at timestamp with time zone;\nBEGIN\n    x := 1;\nEND ";
+        assert_eq!(variables(body), vec![("s0", "smallint"), ("at", "timestamp with time zone")]);
+        assert!(variables("BEGIN RETURN QUERY SELECT 1; END").is_empty());
+    }
 
     #[test]
     fn only_whole_names_are_replaced() {

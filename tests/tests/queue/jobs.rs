@@ -429,13 +429,16 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
     for (paused, from, queues) in
         pauses.iter().flat_map(|p| froms.iter().flat_map(move |f| ["NULL", "'{default}'"].map(move |q| (p, f, q))))
     {
-        let args = format!("'w', {queues}, {paused}, 10, 30, {from}");
+        // The backlog's slot not empty, the others empty (see `0030_claim_pruned`).
+        let args = format!("'w', {queues}, {paused}, 10, 30, {from}, 0, NULL, NULL, NULL");
         for (mode, plan) in harness::plans(&mut conn, &claim[0], &args).await {
             let case = format!("paused {paused}, from {from}, queues {queues}, {mode}");
             // The backlog's slot is walked in claim order, from where the claim starts,
             // merged with the other live partitions' claim indexes.
             assert!(plan.contains("Index Scan using jobs_ring_0_claim_idx"), "{case}: {plan}");
             assert!(plan.contains("Merge Append"), "{case}: {plan}");
+            // The empty slots are passed over when the plan starts.
+            assert!(!plan.contains("jobs_ring_1_claim_idx"), "{case}: an empty slot is not read: {plan}");
             if from.starts_with("100") {
                 assert!(plan.contains("ROW(priority, run_at) >="), "{case}: the bound starts the scan: {plan}");
             }
@@ -687,7 +690,8 @@ async fn a_job_an_aborted_transaction_touched_is_left_by_bounded_claims_and_take
 }
 
 /// Buffers the scan of the claim index touches in one claim of up to 10 jobs, from the
-/// front of the index or from `from`; the claim is rolled back.
+/// front of the index or from `from`, every slot of the ring taken as holding work; the
+/// claim is rolled back.
 async fn claim_buffers(pool: &PgPool, from: Option<queue::ClaimFrom>) -> i64 {
     let mut tx = pool.begin().await.unwrap();
     let claim = prepare_function(&mut tx, "airlock_jobs_claim").await;
@@ -695,8 +699,10 @@ async fn claim_buffers(pool: &PgPool, from: Option<queue::ClaimFrom>) -> i64 {
         Some(f) => format!("{}, '{}'", f.priority, f.run_at.to_rfc3339()),
         None => "NULL, NULL".to_string(),
     };
-    let sql =
-        format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {}('w', NULL, '{{}}', 10, 30, {from})", claim[0]);
+    let sql = format!(
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {}('w', NULL, '{{}}', 10, 30, {from}, 0, 1, 2, 3)",
+        claim[0]
+    );
     let plan: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&mut *tx).await.unwrap();
     unprepare(&mut tx, &claim).await;
     tx.rollback().await.unwrap();

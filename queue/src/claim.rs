@@ -154,15 +154,25 @@ pub async fn complete_and_claim(
     Ok((jobs, done))
 }
 
+/// The end of a statement completing and claiming, after its `done` (the `id` and `attempt`
+/// of each job completed): the claim of `$1`–`$7`, and one row per job claimed (at least
+/// one) with the completed ids and attempts.
+macro_rules! claim_after_done {
+    () => {
+        "claimed AS (SELECT * FROM airlock_jobs_claim($1, $2, $3, $4, $5, $6, $7)) \
+         SELECT d.done_ids, d.done_attempts, c.* \
+         FROM (SELECT array_agg(id) AS done_ids, array_agg(attempt) AS done_attempts FROM done) d \
+         LEFT JOIN claimed c ON true"
+    };
+}
+pub(crate) use claim_after_done;
+
 /// The statement of [`complete_and_claim`]: the claim statement's parameters, then the
 /// ids and attempts of the jobs to complete and whether their rows are kept (see
 /// `airlock_jobs_complete`). It returns one row per job claimed (at least one row: the job's
 /// columns are NULL when none was) with the completed ids and attempts.
-pub const COMPLETE_AND_CLAIM_SQL: &str = "WITH done AS (SELECT id, attempt FROM airlock_jobs_complete($8, $9, $10)), \
-     claimed AS (SELECT * FROM airlock_jobs_claim($1, $2, $3, $4, $5, $6, $7)) \
-     SELECT d.done_ids, d.done_attempts, c.* \
-     FROM (SELECT array_agg(id) AS done_ids, array_agg(attempt) AS done_attempts FROM done) d \
-     LEFT JOIN claimed c ON true";
+pub const COMPLETE_AND_CLAIM_SQL: &str =
+    concat!("WITH done AS (SELECT id, attempt FROM airlock_jobs_complete($8, $9, $10)), ", claim_after_done!());
 
 /// The queues a claim from named queues may take from, paused ones left out; `None`:
 /// every queue.

@@ -67,10 +67,7 @@ static STATEMENTS: LazyLock<Vec<Statements>> = LazyLock::new(|| {
                 keep,
                 complete: format!("WITH {} SELECT id, attempt FROM done", done_ctes(leaf, keep, 1, 2)),
                 complete_and_claim: format!(
-                    "WITH {}, claimed AS (SELECT * FROM airlock_jobs_claim($1, $2, $3, $4, $5, $6, $7)) \
-                     SELECT d.done_ids, d.done_attempts, c.* \
-                     FROM (SELECT array_agg(id) AS done_ids, array_agg(attempt) AS done_attempts FROM done) d \
-                     LEFT JOIN claimed c ON true",
+                    concat!("WITH {}, ", crate::claim::claim_after_done!()),
                     done_ctes(leaf, keep, 8, 9)
                 ),
             });

@@ -523,3 +523,148 @@ async fn an_installation_upgraded_to_the_ring_keeps_every_job_where_it_belongs(p
     queue::complete(&pool, held).await.unwrap();
     assert_eq!(partition_of(&pool, running.0).await, "jobs_done");
 }
+
+/// A job written straight into `jobs` (an operator's repair, a restore), as the columns
+/// name it; `slot` -1 puts a live one in `jobs_long`, otherwise it goes to the current slot.
+struct Written {
+    state: &'static str,
+    kind: &'static str,
+    queue: String,
+    attempt: i32,
+    max_attempts: i32,
+    leased: bool,
+    effect_started: bool,
+    finished: bool,
+    slot: Option<i16>,
+}
+
+impl Written {
+    fn live(state: &'static str) -> Self {
+        Written {
+            state,
+            kind: "t",
+            queue: "default".into(),
+            attempt: 1,
+            max_attempts: 5,
+            leased: state == "running",
+            effect_started: false,
+            finished: false,
+            slot: None,
+        }
+    }
+
+    fn done(state: &'static str) -> Self {
+        Written { leased: false, finished: true, ..Written::live(state) }
+    }
+
+    /// The constraint the write broke, or `None` when it was taken.
+    async fn write(&self, pool: &PgPool) -> Option<String> {
+        let r = sqlx::query(
+            "INSERT INTO jobs (id, kind, queue, state, attempt, max_attempts, lease_owner, lease_expires_at,
+                               effect_started_at, finished_at, slot)
+             VALUES ($1, $2, $3, $4::job_state, $5, $6, CASE WHEN $7 THEN 'w' END,
+                     CASE WHEN $7 THEN now() + interval '1 minute' END, CASE WHEN $8 THEN now() END,
+                     CASE WHEN $9 THEN now() END, coalesce($10, airlock_job_slot()))",
+        )
+        .bind(JobId::new())
+        .bind(self.kind)
+        .bind(&self.queue)
+        .bind(self.state)
+        .bind(self.attempt)
+        .bind(self.max_attempts)
+        .bind(self.leased)
+        .bind(self.effect_started)
+        .bind(self.finished)
+        .bind(self.slot)
+        .execute(pool)
+        .await;
+        match r {
+            Ok(_) => None,
+            Err(sqlx::Error::Database(e)) => {
+                assert_eq!(e.code().as_deref(), Some("23514"), "{e}");
+                Some(e.constraint().unwrap_or_default().to_string())
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn every_partition_refuses_a_job_that_breaks_the_rules_of_its_state(pool: PgPool) {
+    let long = |w: Written| Written { slot: Some(-1), ..w };
+    let cases: Vec<(&str, Written, Option<&str>)> = vec![
+        ("an available job", Written::live("available"), None),
+        ("a running job with its lease", Written::live("running"), None),
+        ("a parked job whose effect started", Written { effect_started: true, ..Written::live("parked") }, None),
+        ("a running job in jobs_long", long(Written::live("running")), None),
+        ("a completed job", Written::done("completed"), None),
+        ("a failed job at its last attempt", Written { attempt: 5, ..Written::done("failed") }, None),
+        (
+            "a running job without a lease",
+            Written { leased: false, ..Written::live("running") },
+            Some("jobs_running_has_lease"),
+        ),
+        (
+            "an available job with a lease",
+            Written { leased: true, ..Written::live("available") },
+            Some("jobs_running_has_lease"),
+        ),
+        (
+            "a parked job with a lease in jobs_long",
+            long(Written { leased: true, ..Written::live("parked") }),
+            Some("jobs_running_has_lease"),
+        ),
+        (
+            "an available job whose effect started",
+            Written { effect_started: true, ..Written::live("available") },
+            Some("jobs_effect_only_when_held"),
+        ),
+        (
+            "a live job with a finish time",
+            Written { finished: true, ..Written::live("available") },
+            Some("jobs_live_unfinished"),
+        ),
+        ("a live job past its attempts", Written { attempt: 6, ..Written::live("running") }, Some("jobs_attempts")),
+        ("a job of no kind", Written { kind: "", ..Written::live("available") }, Some("jobs_kind_check")),
+        (
+            "a job of an overlong queue",
+            Written { queue: "q".repeat(101), ..Written::live("available") },
+            Some("jobs_queue_check"),
+        ),
+        (
+            "a completed job without a finish time",
+            Written { finished: false, ..Written::done("completed") },
+            Some("jobs_done_finished_at"),
+        ),
+        (
+            "a completed job still leased",
+            Written { leased: true, ..Written::done("completed") },
+            Some("jobs_running_has_lease"),
+        ),
+        (
+            "a failed job whose effect started",
+            Written { effect_started: true, ..Written::done("failed") },
+            Some("jobs_effect_only_when_held"),
+        ),
+        (
+            "a cancelled job past its attempts",
+            Written { attempt: 6, ..Written::done("cancelled") },
+            Some("jobs_attempts"),
+        ),
+        ("a finished job of no kind", Written { kind: "", ..Written::done("completed") }, Some("jobs_kind_check")),
+        (
+            "a finished job of no queue",
+            Written { queue: String::new(), ..Written::done("completed") },
+            Some("jobs_queue_check"),
+        ),
+    ];
+    let mut taken = 0;
+    for (what, w, broken) in &cases {
+        assert_eq!(w.write(&pool).await.as_deref(), *broken, "{what}");
+        taken += usize::from(broken.is_none());
+    }
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs").fetch_one(&pool).await.unwrap();
+    assert_eq!(count, taken as i64, "only the jobs that keep the rules were written");
+    let long: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs_long").fetch_one(&pool).await.unwrap();
+    assert_eq!(long, 1, "the slot -1 job lies in jobs_long");
+}

@@ -97,11 +97,14 @@ pub struct DatabaseConfig {
     pub url: Secret,
     pub max_connections: u32,
     pub acquire_timeout_seconds: u64,
+    /// A connection idle in the pool this long is checked (one round trip) before it is
+    /// used again; 0 checks it before every use.
+    pub check_after_idle_ms: u64,
 }
 
 impl Default for DatabaseConfig {
     fn default() -> Self {
-        Self { url: Secret::new(""), max_connections: 16, acquire_timeout_seconds: 10 }
+        Self { url: Secret::new(""), max_connections: 16, acquire_timeout_seconds: 10, check_after_idle_ms: 1000 }
     }
 }
 

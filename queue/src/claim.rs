@@ -93,8 +93,8 @@ pub struct Claim<'a> {
 /// the jobs claimed, in claim order, and the leases completed (the others were lost and
 /// are left untouched).
 #[tracing::instrument(skip_all, fields(worker.id = claim.owner, limit = claim.limit, completing = completing.len()))]
-pub async fn complete_and_claim(
-    db: &sqlx::PgPool,
+pub async fn complete_and_claim<'e>(
+    db: impl sqlx::PgExecutor<'e>,
     claim: &Claim<'_>,
     completing: &[Lease],
 ) -> Result<(Vec<Job>, Vec<Lease>), QueueError> {

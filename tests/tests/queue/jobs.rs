@@ -833,6 +833,7 @@ pub(crate) fn settings(id: &str, poll: Duration) -> airlock_worker::WorkerSettin
         first_analyze_interval: Duration::from_secs(3600),
         log: Default::default(),
         ring: Default::default(),
+        check_after_idle: Duration::from_secs(1),
     }
 }
 

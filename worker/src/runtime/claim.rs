@@ -28,7 +28,8 @@ use std::time::{Duration, Instant};
 use airlock_core::sync::lock;
 use airlock_queue::{self as queue, ClaimFilter, ClaimFrom, Job, Lease, QueueError};
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
+use sqlx::pool::PoolConnection;
+use sqlx::{Connection, PgPool, Postgres};
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -54,6 +55,8 @@ const BATCHES_AHEAD: usize = 2;
 #[derive(Clone)]
 pub(super) struct ClaimCtx {
     pub(super) pool: PgPool,
+    /// Connections kept between claims.
+    pub(super) conns: Arc<KeptConns>,
     pub(super) owner: String,
     pub(super) filter: ClaimFilter,
     pub(super) lease: Duration,
@@ -308,7 +311,17 @@ fn spawn_claim(
                     paused: &paused,
                     from,
                 };
-                queue::complete_and_claim(&c.pool, &claim, &leases).await
+                match c.conns.take(&c.pool).await {
+                    Ok(mut conn) => {
+                        let result = queue::complete_and_claim(&mut *conn, &claim, &leases).await;
+                        // After an error the connection goes back to the pool, which checks it.
+                        if result.is_ok() {
+                            c.conns.keep(conn);
+                        }
+                        result
+                    }
+                    Err(e) => Err(e.into()),
+                }
             }
             Err(e) => Err(e),
         };
@@ -334,6 +347,40 @@ fn spawn_claim(
         }
         ClaimResult { jobs, asked: want, took, after_notify }
     });
+}
+
+/// Connections a worker's claims keep between statements instead of handing them back to
+/// the pool: the pool checks a connection by a round trip when it is handed back (sqlx
+/// does, whatever its settings), which made a claim three round trips instead of one. At
+/// most as many are kept as claims run at once (one per slot at the most), out of the
+/// pool the claims and completions share, sized for them. The last kept is used first; one
+/// kept for `check_after` or longer is checked before use, and a broken one closed.
+pub(super) struct KeptConns {
+    kept: Mutex<Vec<(PoolConnection<Postgres>, Instant)>>,
+    check_after: Duration,
+}
+
+impl KeptConns {
+    pub(super) fn new(check_after: Duration) -> Self {
+        Self { kept: Mutex::new(Vec::new()), check_after }
+    }
+
+    /// A kept connection that answers, or one from `pool`.
+    async fn take(&self, pool: &PgPool) -> Result<PoolConnection<Postgres>, sqlx::Error> {
+        loop {
+            let Some((mut conn, since)) = lock(&self.kept).pop() else {
+                return pool.acquire().await;
+            };
+            if since.elapsed() < self.check_after || conn.ping().await.is_ok() {
+                return Ok(conn);
+            }
+            conn.close_on_drop();
+        }
+    }
+
+    fn keep(&self, conn: PoolConnection<Postgres>) {
+        lock(&self.kept).push((conn, Instant::now()));
+    }
 }
 
 /// The paused queues as this worker last read them, so a claim is one statement: re-read

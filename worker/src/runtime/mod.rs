@@ -92,6 +92,9 @@ pub struct WorkerSettings {
     pub log: partitions::LogSettings,
     /// How the queue's ring of live partitions turns.
     pub ring: ring::RingSettings,
+    /// A connection kept between claims this long is checked before use
+    /// (`database.check_after_idle_ms`).
+    pub check_after_idle: Duration,
 }
 
 impl WorkerSettings {
@@ -119,6 +122,7 @@ impl WorkerSettings {
             first_analyze_interval: Duration::from_millis(w.first_analyze_interval_ms.max(100)),
             log: partitions::LogSettings::from_config(&cfg.retention),
             ring: ring::RingSettings::from_config(w),
+            check_after_idle: Duration::from_millis(cfg.database.check_after_idle_ms),
         }
     }
 
@@ -288,6 +292,7 @@ impl Worker {
         let mut claiming = ClaimLoop::new(
             ClaimCtx {
                 pool: queue_pool.clone(),
+                conns: Arc::new(claim::KeptConns::new(s.check_after_idle)),
                 owner: s.id.clone(),
                 filter: ClaimFilter { queues: s.queues.clone() },
                 lease: s.lease,

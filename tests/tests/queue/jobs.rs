@@ -1184,3 +1184,66 @@ async fn shutdown_releases_claimed_but_unstarted_jobs(pool: PgPool) {
         "released without spending an attempt"
     );
 }
+
+/// A worker's claims keep their connections between statements; one kept long enough to
+/// have idled `check_after_idle` is checked before use, so a connection Postgres closed
+/// meanwhile (a restart, an administrator, an idle timeout) is replaced, and no claim
+/// fails for it.
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_claim_connection_closed_while_kept_is_replaced_before_a_claim_fails_on_it(pool: PgPool) {
+    let mut registry = airlock_worker::Registry::new();
+    registry.register_fn("test.ping", |_ctx| async move { Ok(airlock_worker::Outcome::Completed) });
+    // One claim per slot (the completions ride on them), and no polling: only a NOTIFY
+    // makes this worker claim, so its kept connections idle between the two batches.
+    let mut s = settings("kept", Duration::from_secs(3600));
+    s.claim_batch = 1;
+    let worker = airlock_worker::Worker::new(pool.clone(), registry, s);
+    let stats = worker.stats();
+    let stop = CancellationToken::new();
+    let run = tokio::spawn(worker.run(stop.clone()));
+    harness::wait_for("the worker to LISTEN", Duration::from_secs(30), || {
+        let stats = stats.clone();
+        async move { stats.listening.load(std::sync::atomic::Ordering::SeqCst).then_some(()) }
+    })
+    .await;
+    let completed = |n: i64| {
+        let pool = pool.clone();
+        move || {
+            let pool = pool.clone();
+            async move {
+                let done: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'completed'")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                (done == n).then_some(())
+            }
+        }
+    };
+    let batch = |n: usize| (0..n).map(|_| NewJob::new("test.ping", json!({}))).collect::<Vec<_>>();
+    let mut tx = pool.begin().await.unwrap();
+    queue::enqueue_many(&mut tx, &batch(20)).await.unwrap();
+    tx.commit().await.unwrap();
+    harness::wait_for("the first batch", Duration::from_secs(30), completed(20)).await;
+
+    // Every connection that last ran a claim is closed by the server while it is kept.
+    let closed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity
+         WHERE datname = current_database() AND pid <> pg_backend_pid() AND query LIKE '%airlock_jobs_claim%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(closed >= 1, "the claims' connections were found");
+    // Longer than `check_after_idle` (1 s in these settings): the kept connections are checked.
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let mut tx = pool.begin().await.unwrap();
+    queue::enqueue_many(&mut tx, &batch(20)).await.unwrap();
+    tx.commit().await.unwrap();
+    harness::wait_for("the second batch", Duration::from_secs(30), completed(40)).await;
+
+    assert_eq!(airlock_worker::WorkerStats::get(&stats.failed_claims), 0, "no claim failed on a closed connection");
+    let twice: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE attempt <> 1").fetch_one(&pool).await.unwrap();
+    assert_eq!(twice, 0, "every job ran once");
+    stop.cancel();
+    run.await.unwrap().unwrap();
+}

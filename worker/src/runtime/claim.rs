@@ -75,6 +75,8 @@ struct ClaimResult {
     took: Duration,
     /// The claim was made right after a NOTIFY woke the worker.
     after_notify: bool,
+    /// The worker's wake-ups when the claim started (see `ClaimLoop::wakes`).
+    wakes: u64,
 }
 
 /// Claims to start now: `count` claims of up to `size` jobs each.
@@ -139,6 +141,10 @@ pub(super) struct ClaimLoop {
     poll_at: Option<tokio::time::Instant>,
     /// This turn follows a NOTIFY wake-up, for the `claims_after_notify` counter.
     woke_by_notify: bool,
+    /// Wake-ups so far. A claim that comes back short leaves the worker idle only if none
+    /// came after it started: its snapshot may predate the jobs a later NOTIFY announced,
+    /// and that NOTIFY, taken while the claim was in flight, will not come again.
+    wakes: u64,
     /// The pause after the next failed claim; doubles up to [`CLAIM_BACKOFF_MAX`].
     db_backoff: Duration,
     /// No claim before this, after a failed one.
@@ -159,6 +165,7 @@ impl ClaimLoop {
             idle: false,
             poll_at: None,
             woke_by_notify: false,
+            wakes: 0,
             db_backoff: CLAIM_BACKOFF_MIN,
             backoff_until: None,
             pending: Vec::new(),
@@ -207,6 +214,7 @@ impl ClaimLoop {
                     self.idle = false;
                     self.poll_at = None;
                     self.woke_by_notify = true;
+                    self.wakes += 1;
                     self.backoff_until = None;
                 }
                 _ = tokio::time::sleep_until(poll_at), if has_room && self.idle => {
@@ -249,7 +257,7 @@ impl ClaimLoop {
         );
         for _ in 0..count {
             let completing = if per_slot { std::mem::take(&mut self.pending) } else { Vec::new() };
-            spawn_claim(&mut self.claims, &self.ctx, size, self.woke_by_notify, completing);
+            spawn_claim(&mut self.claims, &self.ctx, size, (self.woke_by_notify, self.wakes), completing);
             if per_slot {
                 self.reserved += size;
             }
@@ -263,7 +271,7 @@ impl ClaimLoop {
         match done.jobs {
             Ok(jobs) => {
                 self.db_backoff = CLAIM_BACKOFF_MIN;
-                if jobs.len() < done.asked {
+                if jobs.len() < done.asked && done.wakes == self.wakes {
                     self.idle = true;
                 }
                 let stats = &self.ctx.stats;
@@ -280,6 +288,7 @@ impl ClaimLoop {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "claim failed; retrying");
+                bump(&self.ctx.stats.failed_claims);
                 self.backoff_until = Some(tokio::time::Instant::now() + self.db_backoff);
                 self.db_backoff = (self.db_backoff * 2).min(CLAIM_BACKOFF_MAX);
             }
@@ -293,7 +302,7 @@ fn spawn_claim(
     claims: &mut JoinSet<ClaimResult>,
     c: &ClaimCtx,
     want: usize,
-    after_notify: bool,
+    (after_notify, wakes): (bool, u64),
     completing: Vec<Completion>,
 ) {
     let c = c.clone();
@@ -345,7 +354,7 @@ fn spawn_claim(
         if from.is_some() {
             bump(&c.stats.bounded_claims);
         }
-        ClaimResult { jobs, asked: want, took, after_notify }
+        ClaimResult { jobs, asked: want, took, after_notify, wakes }
     });
 }
 

@@ -163,6 +163,8 @@ pub struct WorkerStats {
     pub claims_after_poll: AtomicU64,
     /// Claims that started from the claim cursor instead of the front of the claim index.
     pub bounded_claims: AtomicU64,
+    /// Claims that failed (the worker backs off and claims again).
+    pub failed_claims: AtomicU64,
     /// Whether the LISTEN connection is up.
     pub listening: std::sync::atomic::AtomicBool,
 }

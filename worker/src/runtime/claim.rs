@@ -358,6 +358,9 @@ fn spawn_claim(
     });
 }
 
+/// The longest a connection stays kept unused.
+const KEPT_AT_MOST: Duration = Duration::from_secs(60);
+
 /// Connections a worker's claims keep between statements instead of handing them back to
 /// the pool: the pool checks a connection by a round trip when it is handed back (sqlx
 /// does, whatever its settings), which made a claim three round trips instead of one. At
@@ -387,8 +390,16 @@ impl KeptConns {
         }
     }
 
+    /// Keeps `conn`, and hands back to the pool those unused for [`KEPT_AT_MOST`] (the
+    /// oldest come first), which closes them once idle for its own time: an idle worker
+    /// keeps the one connection its polls use, not one per slot.
     fn keep(&self, conn: PoolConnection<Postgres>) {
-        lock(&self.kept).push((conn, Instant::now()));
+        let mut kept = lock(&self.kept);
+        let stale = kept.iter().take_while(|(_, since)| since.elapsed() >= KEPT_AT_MOST).count();
+        let handed_back: Vec<_> = kept.drain(..stale).collect();
+        kept.push((conn, Instant::now()));
+        drop(kept);
+        drop(handed_back);
     }
 }
 

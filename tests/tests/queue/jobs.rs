@@ -813,6 +813,15 @@ async fn check_constraints_hold_the_invariants(pool: PgPool) {
 /// Keeps a shared handle to the counters of a worker run in-process.
 type Stats = Arc<airlock_worker::WorkerStats>;
 
+/// Waits until the worker's LISTEN connection is up.
+async fn wait_listening(stats: &Stats) {
+    harness::wait_for("the worker to LISTEN", Duration::from_secs(30), || {
+        let stats = stats.clone();
+        async move { stats.listening.load(std::sync::atomic::Ordering::SeqCst).then_some(()) }
+    })
+    .await;
+}
+
 pub(crate) fn settings(id: &str, poll: Duration) -> airlock_worker::WorkerSettings {
     airlock_worker::WorkerSettings {
         id: id.into(),
@@ -856,11 +865,7 @@ async fn an_idle_worker_is_woken_by_notify_not_by_polling(pool: PgPool) {
     let stop = tokio_util::sync::CancellationToken::new();
     let run = tokio::spawn(worker.run(stop.clone()));
 
-    airlock_tests::harness::wait_for("the worker to LISTEN", Duration::from_secs(30), || {
-        let stats = stats.clone();
-        async move { stats.listening.load(std::sync::atomic::Ordering::SeqCst).then_some(()) }
-    })
-    .await;
+    wait_listening(&stats).await;
     // Let the wake-up that follows LISTEN be consumed, so the next claim is ours.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let before = airlock_worker::WorkerStats::get(&stats.claims_after_notify);
@@ -1201,11 +1206,7 @@ async fn a_claim_connection_closed_while_kept_is_replaced_before_a_claim_fails_o
     let stats = worker.stats();
     let stop = CancellationToken::new();
     let run = tokio::spawn(worker.run(stop.clone()));
-    harness::wait_for("the worker to LISTEN", Duration::from_secs(30), || {
-        let stats = stats.clone();
-        async move { stats.listening.load(std::sync::atomic::Ordering::SeqCst).then_some(()) }
-    })
-    .await;
+    wait_listening(&stats).await;
     let completed = |n: i64| {
         let pool = pool.clone();
         move || {

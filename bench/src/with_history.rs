@@ -276,7 +276,12 @@ async fn plans(db: &Db) -> anyhow::Result<String> {
     }
     let claim = airlock_bench::plans::prepare_function(&mut conn, "airlock_jobs_claim").await?;
     for statement in &claim {
-        let plan = explain(&mut conn, statement, "'bench-plan', NULL, '{}', 10, 30, NULL, NULL, 0, 1, 2, 3").await?;
+        let plan = explain(
+            &mut conn,
+            statement,
+            "'bench-plan', NULL, '{}', 10, 30, NULL, NULL, NULL, 0, 1, 2, 3, '-infinity', NULL",
+        )
+        .await?;
         out.push_str(&format!(
             "a worker's claim (airlock_jobs_claim), unbounded, beside the history's finished jobs, generic plan:\n{}\n\n",
             plan.join("\n")

@@ -21,7 +21,7 @@ pub struct ClaimFilter {
 
 /// The claim statement (see `airlock_jobs_claim`): `$1` owner, `$2` queues (NULL: every
 /// queue), `$3` the queues paused, `$4` limit, `$5` lease seconds, and for a bounded claim
-/// `$6`, `$7`, where it starts (see [`ClaimFrom`]; NULL: from the front).
+/// `$6`–`$8`, where it starts (see [`ClaimFrom`]; NULL: from the front).
 ///
 /// Its plan walks the partial index `jobs_claim_idx` of each live partition in claim order
 /// (merged) and stops after `$4` rows, whatever the backlog, and updates the jobs it locked
@@ -31,18 +31,23 @@ pub struct ClaimFilter {
 /// while they were nearly empty, kept while one fills, would sort its backlog or join it
 /// whole at every claim; and the queues paused, a parameter, would otherwise have a generic
 /// plan expect no row to pass and sort the whole backlog.
-pub const CLAIM_SQL: &str = "SELECT * FROM airlock_jobs_claim($1, $2, $3, $4, $5, $6, $7)";
+pub const CLAIM_SQL: &str = "SELECT * FROM airlock_jobs_claim($1, $2, $3, $4, $5, $6, $7, $8)";
 
-/// Where a bounded claim starts in claim order: the claim skips every job that sorts
-/// before `(priority, run_at)`.
+/// Where a bounded claim starts in claim order: at the job `(priority, run_at, id)` (the
+/// last one its worker claimed), or at `run_at` a second ago if that sorts earlier; the
+/// claim skips every job that sorts before.
 ///
-/// A claim walks `jobs_claim_idx` from its front. The versions of jobs claimed lately stay
-/// in that index until no snapshot can see them; while a long transaction pins the xmin
-/// horizon, none can be removed, and every claim steps over all the jobs claimed since
-/// the pin began (tens of thousands after a few minutes) before it reaches a live one.
-/// A worker that notices its claims slowing down starts them a little behind the last
-/// job it claimed instead (see the worker's claim cursor), and still runs an unbounded
-/// claim regularly for what sorts earlier.
+/// A claim walks `jobs_claim_idx` from its front. The versions of jobs claimed stay in that
+/// index until the ring truncates their slot (or, in `jobs_long`, until no snapshot can see
+/// them and vacuum has passed), and every claim from the front steps over all the jobs
+/// claimed from the slot so far before it reaches a live one: a slot's whole backlog by
+/// the time it is drained, or everything claimed since a long transaction pinned the
+/// horizon. A worker that notices its claims slowing down starts them at the last job it
+/// claimed instead (see the worker's claim cursor), and still runs an unbounded claim
+/// regularly for what sorts earlier. The second before now is for jobs enqueued by a
+/// transaction that began before the last job's and committed after it (a job's `run_at`
+/// is its transaction's start): any transaction that lasts no longer commits its jobs
+/// where a bounded claim still finds them (`0032_claim_from_the_last_job`).
 ///
 /// A bounded claim also passes over every version that a transaction has updated or
 /// locked since it was written (`xmax` set). Under load, most entries a claim meets at the
@@ -57,6 +62,7 @@ pub const CLAIM_SQL: &str = "SELECT * FROM airlock_jobs_claim($1, $2, $3, $4, $5
 pub struct ClaimFrom {
     pub priority: i16,
     pub run_at: DateTime<Utc>,
+    pub id: JobId,
 }
 
 /// Claims up to `limit` available jobs for `owner`, bumping each one's attempt, in one
@@ -122,7 +128,8 @@ pub async fn complete_and_claim<'e>(
         .bind(limit)
         .bind(claim.lease.as_secs_f64())
         .bind(claim.from.map(|f| f.priority))
-        .bind(claim.from.map(|f| f.run_at));
+        .bind(claim.from.map(|f| f.run_at))
+        .bind(claim.from.map(|f| f.id));
     if slotted.is_some() {
         q = q.bind(completing[0].id).bind(completing[0].attempt);
     } else if !completing.is_empty() {
@@ -155,11 +162,11 @@ pub async fn complete_and_claim<'e>(
 }
 
 /// The end of a statement completing and claiming, after its `done` (the `id` and `attempt`
-/// of each job completed): the claim of `$1`–`$7`, and one row per job claimed (at least
+/// of each job completed): the claim of `$1`–`$8`, and one row per job claimed (at least
 /// one) with the completed ids and attempts.
 macro_rules! claim_after_done {
     () => {
-        "claimed AS (SELECT * FROM airlock_jobs_claim($1, $2, $3, $4, $5, $6, $7)) \
+        "claimed AS (SELECT * FROM airlock_jobs_claim($1, $2, $3, $4, $5, $6, $7, $8)) \
          SELECT d.done_ids, d.done_attempts, c.* \
          FROM (SELECT array_agg(id) AS done_ids, array_agg(attempt) AS done_attempts FROM done) d \
          LEFT JOIN claimed c ON true"
@@ -172,7 +179,7 @@ pub(crate) use claim_after_done;
 /// `airlock_jobs_complete`). It returns one row per job claimed (at least one row: the job's
 /// columns are NULL when none was) with the completed ids and attempts.
 pub const COMPLETE_AND_CLAIM_SQL: &str =
-    concat!("WITH done AS (SELECT id, attempt FROM airlock_jobs_complete($8, $9, $10)), ", claim_after_done!());
+    concat!("WITH done AS (SELECT id, attempt FROM airlock_jobs_complete($9, $10, $11)), ", claim_after_done!());
 
 /// The queues a claim from named queues may take from, paused ones left out; `None`:
 /// every queue.

@@ -425,12 +425,17 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
     let claim = prepare_function(&mut conn, "airlock_jobs_claim").await;
     assert_eq!(claim.len(), 1);
     let pauses = ["'{}'", "'{send}'", r#"'{send,"it''s \\ odd"}'"#];
-    let froms = ["NULL, NULL", "100, now() - interval '1 hour'"];
+    // The bound's three arguments, then where the scan starts (`start_at`, `start_id`).
+    let froms = [
+        ("NULL, NULL, NULL", "'-infinity', NULL"),
+        ("100, now() - interval '1 hour', gen_random_uuid()", "now() - interval '1 hour', gen_random_uuid()"),
+    ];
     for (paused, from, queues) in
         pauses.iter().flat_map(|p| froms.iter().flat_map(move |f| ["NULL", "'{default}'"].map(move |q| (p, f, q))))
     {
         // The backlog's slot not empty, the others empty (see `0030_claim_pruned`).
-        let args = format!("'w', {queues}, {paused}, 10, 30, {from}, 0, NULL, NULL, NULL");
+        let (from, start) = from;
+        let args = format!("'w', {queues}, {paused}, 10, 30, {from}, 0, NULL, NULL, NULL, {start}");
         for (mode, plan) in harness::plans(&mut conn, &claim[0], &args).await {
             let case = format!("paused {paused}, from {from}, queues {queues}, {mode}");
             // The backlog's slot is walked in claim order, from where the claim starts,
@@ -440,7 +445,7 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
             // The empty slots are passed over when the plan starts.
             assert!(!plan.contains("jobs_ring_1_claim_idx"), "{case}: an empty slot is not read: {plan}");
             if from.starts_with("100") {
-                assert!(plan.contains("ROW(priority, run_at) >="), "{case}: the bound starts the scan: {plan}");
+                assert!(plan.contains("ROW(priority, run_at, id) >="), "{case}: the bound starts the scan: {plan}");
             }
             assert!(!plan.contains("Sort  ("), "{case}: no sort of the backlog: {plan}");
             assert!(!plan.contains("Hash Join") && !plan.contains("Merge Join"), "{case}: {plan}");
@@ -451,8 +456,8 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
     unprepare(&mut conn, &claim).await;
     // The worker's statements, which call it, with completions or without.
     for (sql, args) in [
-        (queue::CLAIM_SQL, "'w', NULL, '{}', 10, 30, NULL, NULL".to_string()),
-        (queue::COMPLETE_AND_CLAIM_SQL, "'w', NULL, '{}', 10, 30, NULL, NULL, '{}', '{}', true".to_string()),
+        (queue::CLAIM_SQL, "'w', NULL, '{}', 10, 30, NULL, NULL, NULL".to_string()),
+        (queue::COMPLETE_AND_CLAIM_SQL, "'w', NULL, '{}', 10, 30, NULL, NULL, NULL, '{}', '{}', true".to_string()),
     ] {
         sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE claim AS {sql}"))).execute(&mut *conn).await.unwrap();
         for (mode, plan) in harness::plans(&mut conn, "claim", &args).await {
@@ -523,7 +528,7 @@ async fn writes_fenced_on_a_lease_find_their_rows_through_the_primary_key(pool: 
     // partition only when the job is not there any more (through `airlock_jobs_complete`,
     // whose plans are above).
     let lease = [held[0].lease()];
-    let claim_args = "'w', NULL, '{}', 10, 30, NULL, NULL";
+    let claim_args = "'w', NULL, '{}', 10, 30, NULL, NULL, NULL";
     for keep in [true, false] {
         let complete = queue::slotted::complete_sql(&lease, keep).unwrap();
         let complete_and_claim = queue::slotted::complete_and_claim_sql(&lease, keep).unwrap();
@@ -678,7 +683,11 @@ async fn a_job_an_aborted_transaction_touched_is_left_by_bounded_claims_and_take
     assert_ne!(xmax, "0", "the aborted lock is on the version");
 
     let filter = ClaimFilter::default();
-    let from = queue::ClaimFrom { priority: 100, run_at: chrono::Utc::now() - chrono::TimeDelta::minutes(10) };
+    let from = queue::ClaimFrom {
+        priority: 100,
+        run_at: chrono::Utc::now() - chrono::TimeDelta::minutes(10),
+        id: airlock_core::ids::JobId(uuid::Uuid::nil()),
+    };
     let bounded = queue::Claim { owner: "w", filter: &filter, limit: 10, lease: LEASE, paused: &[], from: Some(from) };
     let (jobs, _) = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap();
     assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![other], "a bounded claim passes over it");
@@ -695,12 +704,16 @@ async fn a_job_an_aborted_transaction_touched_is_left_by_bounded_claims_and_take
 async fn claim_buffers(pool: &PgPool, from: Option<queue::ClaimFrom>) -> i64 {
     let mut tx = pool.begin().await.unwrap();
     let claim = prepare_function(&mut tx, "airlock_jobs_claim").await;
-    let from = match from {
-        Some(f) => format!("{}, '{}'", f.priority, f.run_at.to_rfc3339()),
-        None => "NULL, NULL".to_string(),
+    // The bound, and where the scan starts (a bound older than a second: at the bound).
+    let (from, start) = match from {
+        Some(f) => {
+            let at = format!("'{}', '{}'", f.run_at.to_rfc3339(), f.id);
+            (format!("{}, {at}", f.priority), at)
+        }
+        None => ("NULL, NULL, NULL".to_string(), "'-infinity', NULL".to_string()),
     };
     let sql = format!(
-        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {}('w', NULL, '{{}}', 10, 30, {from}, 0, 1, 2, 3)",
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {}('w', NULL, '{{}}', 10, 30, {from}, 0, 1, 2, 3, {start})",
         claim[0]
     );
     let plan: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&mut *tx).await.unwrap();
@@ -744,7 +757,11 @@ async fn a_pinned_horizon_does_not_make_claims_walk_every_job_claimed_since(pool
         enqueue(&pool, NewJob::new("t", json!({}))).await;
     }
 
-    let from = queue::ClaimFrom { priority: 100, run_at: chrono::Utc::now() - chrono::TimeDelta::minutes(10) };
+    let from = queue::ClaimFrom {
+        priority: 100,
+        run_at: chrono::Utc::now() - chrono::TimeDelta::minutes(10),
+        id: airlock_core::ids::JobId(uuid::Uuid::nil()),
+    };
     let (front, bounded) = (claim_buffers(&pool, None).await, claim_buffers(&pool, Some(from)).await);
     eprintln!("buffers per claim: from the front {front}, bounded {bounded}");
     assert!(bounded * 10 < front, "a bounded claim skips the dead entries: {bounded} vs {front} buffers");
@@ -793,6 +810,68 @@ async fn a_pinned_horizon_does_not_make_claims_walk_every_job_claimed_since(pool
     let state: JobState =
         sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1").bind(urgent.id).fetch_one(&pool).await.unwrap();
     assert_eq!(state, JobState::Completed);
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_bounded_claim_starts_at_the_last_job_claimed_not_before_a_backlog_enqueued_at_once(pool: PgPool) {
+    // 20,000 jobs enqueued in one statement a minute ago: one `run_at` for all of them.
+    sqlx::query(
+        "INSERT INTO jobs (id, kind, queue, payload, run_at) SELECT gen_random_uuid(), 't', 'default', '{}', \
+         now() - interval '1 minute' FROM generate_series(1, 20000)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let first = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10_000, LEASE).await.unwrap();
+    assert_eq!(first.len(), 10_000);
+    let leases: Vec<queue::Lease> = first.iter().map(|j| j.lease()).collect();
+    assert_eq!(queue::complete_many(&pool, &leases).await.unwrap().len(), 10_000);
+    let last = first.last().unwrap();
+    let at_last = queue::ClaimFrom { priority: last.priority, run_at: last.run_at, id: last.id };
+
+    // From the last job's whole key the claim steps over none of the 10,000 entries the
+    // claimed jobs left in the slot's index; from a second before its `run_at` it steps over
+    // all of them.
+    let second_before = queue::ClaimFrom {
+        run_at: last.run_at - chrono::TimeDelta::seconds(1),
+        id: JobId(uuid::Uuid::nil()),
+        ..at_last
+    };
+    let (exact, before) = (claim_buffers(&pool, Some(at_last)).await, claim_buffers(&pool, Some(second_before)).await);
+    eprintln!("buffers per claim: from the last job {exact}, from a second before it {before}");
+    assert!(exact * 10 < before, "the claimed entries are not walked: {exact} vs {before} buffers");
+
+    // And it takes the jobs after it in claim order, but for the 20 the measured (rolled
+    // back) claims locked, which bounded claims pass over and an unbounded one takes:
+    // nothing skipped, nothing twice.
+    let filter = ClaimFilter::default();
+    let bounded =
+        queue::Claim { owner: "w", filter: &filter, limit: 10_000, lease: LEASE, paused: &[], from: Some(at_last) };
+    let (rest, _) = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap();
+    assert_eq!(rest.len(), 10_000 - 20, "every job after the last one claimed but the ones passed over");
+    let key = |j: &queue::Job| (j.priority, j.run_at, j.id.0);
+    assert!(rest.iter().all(|j| key(j) > key(last)), "all after the cursor");
+    let (passed, _) = queue::complete_and_claim(&pool, &queue::Claim { from: None, ..bounded }, &[]).await.unwrap();
+    assert_eq!(passed.len(), 20);
+    let ids: HashSet<JobId> = first.iter().chain(&rest).chain(&passed).map(|j| j.id).collect();
+    assert_eq!(ids.len(), 20_000, "no job claimed twice");
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_bounded_claim_takes_a_job_committed_behind_its_cursor_within_the_last_second(pool: PgPool) {
+    // The cursor stands at a job that sorts last of everything enqueued now; a job whose
+    // transaction began half a second ago commits behind it, and one scheduled a minute ago
+    // (as a released or long-running enqueue's) lies well behind.
+    let now = chrono::Utc::now();
+    let recent = enqueue(&pool, NewJob::new("t", json!({})).run_at(now - chrono::TimeDelta::milliseconds(500))).await;
+    let older = enqueue(&pool, NewJob::new("t", json!({})).run_at(now - chrono::TimeDelta::minutes(1))).await;
+    let from = queue::ClaimFrom { priority: 100, run_at: now, id: JobId(uuid::Uuid::max()) };
+    let filter = ClaimFilter::default();
+    let bounded = queue::Claim { owner: "w", filter: &filter, limit: 10, lease: LEASE, paused: &[], from: Some(from) };
+    let (jobs, _) = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap();
+    assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![recent.id], "the second behind is searched");
+    let (jobs, _) = queue::complete_and_claim(&pool, &queue::Claim { from: None, ..bounded }, &[]).await.unwrap();
+    assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![older.id], "the rest is the unbounded claim's");
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]

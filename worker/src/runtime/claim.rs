@@ -25,6 +25,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use airlock_core::ids::JobId;
 use airlock_core::sync::lock;
 use airlock_queue::{self as queue, ClaimFilter, ClaimFrom, Job, Lease, QueueError};
 use chrono::{DateTime, Utc};
@@ -448,8 +449,8 @@ impl Pauses {
 
 /// Where this worker's claims start. Normally every claim walks the claim index from
 /// its front, which is cheap. When that becomes slow (the front is full of entries of
-/// jobs already claimed that no vacuum may remove yet, see [`ClaimFrom`]), claims start
-/// [`CURSOR_SLACK`] behind the last job claimed instead, and an unbounded claim still runs
+/// jobs already claimed, see [`ClaimFrom`]), claims start at the last job claimed instead
+/// (or a second before now, if that is earlier), and an unbounded claim still runs
 /// at least every [`UNBOUNDED_EVERY`] (less often when it is slower, so it never takes
 /// more than about 1/[`UNBOUNDED_SHARE`] of the time) to find what sorts earlier: a job
 /// of a more urgent priority, released or rescued, or of a resumed queue. Such a job waits
@@ -462,7 +463,7 @@ pub(super) struct ClaimCursor {
 #[derive(Default)]
 struct CursorState {
     /// The ordering key of the last job claimed, in claim order.
-    last: Option<(i16, DateTime<Utc>)>,
+    last: Option<(i16, DateTime<Utc>, JobId)>,
     /// When the latest unbounded claim started, and how long it took.
     unbounded_at: Option<Instant>,
     unbounded_took: Duration,
@@ -470,10 +471,6 @@ struct CursorState {
 
 /// An unbounded claim slower than this means that claims should start from the cursor.
 const CURSOR_ENGAGE: Duration = Duration::from_millis(2);
-/// How far behind the last job claimed a bounded claim starts: a job enqueued by a
-/// transaction that began earlier (its `run_at` is that transaction's start) and committed
-/// later still sorts after the bound.
-const CURSOR_SLACK: chrono::TimeDelta = chrono::TimeDelta::seconds(1);
 /// The longest wait for an unbounded claim while claims start from the cursor.
 const UNBOUNDED_EVERY: Duration = Duration::from_secs(1);
 /// Unbounded claims are spaced at least this many times their own duration.
@@ -483,20 +480,20 @@ impl ClaimCursor {
     /// Where the next claim starts; `None`: from the front.
     fn from(&self, now: Instant) -> Option<ClaimFrom> {
         let st = lock(&self.state);
-        let (priority, run_at) = st.last?;
+        let (priority, run_at, id) = st.last?;
         let at = st.unbounded_at?;
         if st.unbounded_took < CURSOR_ENGAGE
             || now.saturating_duration_since(at) >= UNBOUNDED_EVERY.max(st.unbounded_took * UNBOUNDED_SHARE)
         {
             return None;
         }
-        Some(ClaimFrom { priority, run_at: run_at - CURSOR_SLACK })
+        Some(ClaimFrom { priority, run_at, id })
     }
 
     /// Takes in what a claim that started at `started` brought back (in claim order).
     fn record(&self, from: Option<ClaimFrom>, started: Instant, took: Duration, jobs: &[Job]) {
         let mut st = lock(&self.state);
-        let last = jobs.last().map(|j| (j.priority, j.run_at));
+        let last = jobs.last().map(|j| (j.priority, j.run_at, j.id));
         if from.is_none() {
             if st.unbounded_at.is_none_or(|at| at <= started) {
                 st.unbounded_at = Some(started);
@@ -598,9 +595,10 @@ mod tests {
         assert_eq!(cursor.from(t0), None, "nothing claimed yet");
         cursor.record(None, t0, FAST, &[job(100, at)]);
         assert_eq!(cursor.from(t0 + FAST), None, "a fast claim from the front stays there");
-        cursor.record(None, t0 + FAST, SLOW, &[job(100, at)]);
-        let from = cursor.from(t0 + FAST + SLOW).map(|f| (f.priority, f.run_at));
-        assert_eq!(from, Some((100, at - CURSOR_SLACK)), "a slow one engages the cursor, with slack");
+        let last = job(100, at);
+        cursor.record(None, t0 + FAST, SLOW, std::slice::from_ref(&last));
+        let from = cursor.from(t0 + FAST + SLOW).map(|f| (f.priority, f.run_at, f.id));
+        assert_eq!(from, Some((100, at, last.id)), "a slow one engages the cursor, at the last job claimed");
     }
 
     #[test]
@@ -626,7 +624,7 @@ mod tests {
         let t0 = Instant::now();
         let at = Utc::now();
         let later = at + chrono::TimeDelta::seconds(10);
-        let from_key = |c: &ClaimCursor| c.from(t0 + SLOW).map(|f| (f.priority, f.run_at + CURSOR_SLACK));
+        let from_key = |c: &ClaimCursor| c.from(t0 + SLOW).map(|f| (f.priority, f.run_at));
         cursor.record(None, t0, SLOW, &[job(100, at)]);
         let bound = cursor.from(t0 + SLOW);
         cursor.record(bound, t0 + SLOW, FAST, &[job(100, later)]);

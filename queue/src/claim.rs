@@ -58,11 +58,20 @@ pub const CLAIM_SQL: &str = "SELECT * FROM airlock_jobs_claim($1, $2, $3, $4, $5
 /// waits for a stranger's commit. A version whose updater or locker aborted keeps its
 /// `xmax` too and would never be taken by a bounded claim: the unbounded one, which never
 /// looks at `xmax`, takes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// Ordered as claims take jobs (the fields in that order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ClaimFrom {
     pub priority: i16,
     pub run_at: DateTime<Utc>,
     pub id: JobId,
+}
+
+impl ClaimFrom {
+    /// Where `job` stands in claim order.
+    pub fn at(job: &Job) -> Self {
+        Self { priority: job.priority, run_at: job.run_at, id: job.id }
+    }
 }
 
 /// Claims up to `limit` available jobs for `owner`, bumping each one's attempt, in one

@@ -827,7 +827,7 @@ async fn a_bounded_claim_starts_at_the_last_job_claimed_not_before_a_backlog_enq
     let leases: Vec<queue::Lease> = first.iter().map(|j| j.lease()).collect();
     assert_eq!(queue::complete_many(&pool, &leases).await.unwrap().len(), 10_000);
     let last = first.last().unwrap();
-    let at_last = queue::ClaimFrom { priority: last.priority, run_at: last.run_at, id: last.id };
+    let at_last = queue::ClaimFrom::at(last);
 
     // From the last job's whole key the claim steps over none of the 10,000 entries the
     // claimed jobs left in the slot's index; from a second before its `run_at` it steps over

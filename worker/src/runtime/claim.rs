@@ -25,10 +25,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use airlock_core::ids::JobId;
 use airlock_core::sync::lock;
 use airlock_queue::{self as queue, ClaimFilter, ClaimFrom, Job, Lease, QueueError};
-use chrono::{DateTime, Utc};
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgPool, Postgres};
 use tokio::sync::{Notify, mpsc};
@@ -462,8 +460,8 @@ pub(super) struct ClaimCursor {
 
 #[derive(Default)]
 struct CursorState {
-    /// The ordering key of the last job claimed, in claim order.
-    last: Option<(i16, DateTime<Utc>, JobId)>,
+    /// Where the last job claimed stands in claim order.
+    last: Option<ClaimFrom>,
     /// When the latest unbounded claim started, and how long it took.
     unbounded_at: Option<Instant>,
     unbounded_took: Duration,
@@ -480,20 +478,20 @@ impl ClaimCursor {
     /// Where the next claim starts; `None`: from the front.
     fn from(&self, now: Instant) -> Option<ClaimFrom> {
         let st = lock(&self.state);
-        let (priority, run_at, id) = st.last?;
+        let last = st.last?;
         let at = st.unbounded_at?;
         if st.unbounded_took < CURSOR_ENGAGE
             || now.saturating_duration_since(at) >= UNBOUNDED_EVERY.max(st.unbounded_took * UNBOUNDED_SHARE)
         {
             return None;
         }
-        Some(ClaimFrom { priority, run_at, id })
+        Some(last)
     }
 
     /// Takes in what a claim that started at `started` brought back (in claim order).
     fn record(&self, from: Option<ClaimFrom>, started: Instant, took: Duration, jobs: &[Job]) {
         let mut st = lock(&self.state);
-        let last = jobs.last().map(|j| (j.priority, j.run_at, j.id));
+        let last = jobs.last().map(ClaimFrom::at);
         if from.is_none() {
             if st.unbounded_at.is_none_or(|at| at <= started) {
                 st.unbounded_at = Some(started);
@@ -517,6 +515,7 @@ impl ClaimCursor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use chrono::{DateTime, Utc};
 
     /// The claims started when `want` jobs per claim meet `concurrency` slots, with
     /// `(running, waiting, reserved, claims in flight)`.

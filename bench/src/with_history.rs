@@ -262,7 +262,7 @@ async fn plans(db: &Db) -> anyhow::Result<String> {
         sqlx::query("DEALLOCATE list").execute(&mut *conn).await?;
     }
     // A delivery of the history as its view reads it, and the claim over the history's
-    // finished jobs as its function runs it (in a transaction rolled back: an EXPLAIN ANALYZE
+    // finished jobs as a worker runs it (in a transaction rolled back: an EXPLAIN ANALYZE
     // of it claims).
     let delivery = format!("'{id}'");
     let statements = [
@@ -274,22 +274,23 @@ async fn plans(db: &Db) -> anyhow::Result<String> {
         out.push_str(&format!("{what}, generic plan:\n{}\n\n", explain(&mut conn, "shown", args).await?.join("\n")));
         sqlx::query("DEALLOCATE shown").execute(&mut *conn).await?;
     }
-    let claim = airlock_bench::plans::prepare_function(&mut conn, "airlock_jobs_claim").await?;
-    for statement in &claim {
-        let plan = explain(
-            &mut conn,
-            statement,
-            "'bench-plan', NULL, '{}', 10, 30, NULL, NULL, NULL, 0, 1, 2, 3, '-infinity', NULL",
-        )
-        .await?;
-        out.push_str(&format!(
-            "a worker's claim (airlock_jobs_claim), unbounded, beside the history's finished jobs, generic plan:\n{}\n\n",
-            plan.join("\n")
-        ));
+    // The worker's claim, as its connections plan it (`airlock_core::db::queue_plans`).
+    for (key, value) in airlock_core::db::QUEUE_PLAN_SETTINGS {
+        sqlx::query("SELECT set_config($1, $2, false)").bind(key).bind(value).execute(&mut *conn).await?;
     }
-    airlock_bench::plans::unprepare(&mut conn, &claim).await?;
+    let prepare = format!(
+        "PREPARE claim(text, text[], text[], bigint, float8, smallint, timestamptz, uuid, smallint[]) AS {}",
+        airlock_queue::CLAIM_SQL
+    );
+    sqlx::query(sqlx::AssertSqlSafe(prepare)).execute(&mut *conn).await?;
     sqlx::query("SET plan_cache_mode = force_generic_plan").execute(&mut *conn).await?;
-    sqlx::query("RESET plan_cache_mode").execute(&mut *conn).await?;
+    let plan = explain(&mut conn, "claim", "'bench-plan', NULL, '{}', 10, 30, NULL, NULL, NULL, '{0,1,2,3}'").await?;
+    out.push_str(&format!(
+        "a worker's claim, unbounded, beside the history's finished jobs, generic plan:\n{}\n\n",
+        plan.join("\n")
+    ));
+    sqlx::query("DEALLOCATE claim").execute(&mut *conn).await?;
+    sqlx::query("RESET ALL").execute(&mut *conn).await?;
     Ok(out)
 }
 

@@ -36,16 +36,52 @@ pub async fn connect(cfg: &DatabaseConfig) -> Result<PgPool, sqlx::Error> {
         .await
 }
 
+/// The planner settings of the queue's connections (see [`queue_plans`]), besides
+/// `plan_cache_mode = force_generic_plan`.
+pub const QUEUE_PLAN_SETTINGS: [(&str, &str); 5] = [
+    ("enable_seqscan", "off"),
+    ("enable_bitmapscan", "off"),
+    ("enable_hashjoin", "off"),
+    ("enable_mergejoin", "off"),
+    ("enable_sort", "off"),
+];
+
 /// A pool of at most `max_connections` to the same database as `pool`, with its settings,
-/// whose connections keep one generic plan per prepared statement
-/// (`plan_cache_mode = force_generic_plan`). For the queue's hottest statements, whose
-/// right plan does not depend on their values (a test checks their generic plans): left to
-/// choose, Postgres re-plans them at every execution, because a plan made for the actual
-/// values looks cheaper than the generic one, and that planning was about a fifth of its
-/// CPU under load. Connections open when first needed.
-pub fn generic_plans(pool: &PgPool, max_connections: u32) -> PgPool {
+/// for the queue's hottest statements, claims and completions, which the worker keeps
+/// prepared:
+/// - one generic plan per prepared statement (`plan_cache_mode = force_generic_plan`): their
+///   right plan does not depend on their values (a test checks their generic plans), and
+///   left to choose, Postgres re-plans them at every execution, because a plan made for the
+///   actual values looks cheaper than the generic one; that planning was about a fifth of
+///   its CPU under load;
+/// - no plan but by index ([`QUEUE_PLAN_SETTINGS`]: no sequential or bitmap scan, hash or
+///   merge join, or sort): the ring's slots have no statistics and are truncated in turn,
+///   and a plan made while they were nearly empty, kept while one fills, would read a
+///   backlog whole at every claim.
+///
+/// sqlx looks a type of the schema up in the catalog the first time a connection meets it,
+/// by a query those settings make take a third of a second: each connection first looks up
+/// `types` (the schema's types the statements read or write), then takes the settings.
+/// Connections open when first needed.
+pub fn queue_plans(pool: &PgPool, max_connections: u32, types: &'static [&'static str]) -> PgPool {
     let options = (*pool.connect_options()).clone().options([("plan_cache_mode", "force_generic_plan")]);
-    pool.options().clone().max_connections(max_connections).min_connections(0).connect_lazy_with(options)
+    let looked_up = format!("SELECT {}", types.iter().map(|t| format!("NULL::{t}")).collect::<Vec<_>>().join(", "));
+    let settings: String = QUEUE_PLAN_SETTINGS.iter().map(|(k, v)| format!("SET {k} = {v}; ")).collect();
+    pool.options()
+        .clone()
+        .max_connections(max_connections)
+        .min_connections(0)
+        .after_connect(move |conn, _| {
+            let (looked_up, settings) = (looked_up.clone(), settings.clone());
+            Box::pin(async move {
+                if !types.is_empty() {
+                    sqlx::query(sqlx::AssertSqlSafe(looked_up)).fetch_one(&mut *conn).await?;
+                }
+                sqlx::raw_sql(sqlx::AssertSqlSafe(settings)).execute(&mut *conn).await?;
+                Ok(())
+            })
+        })
+        .connect_lazy_with(options)
 }
 
 /// The role the services connect as in a deployment that separates it from the owner of

@@ -15,6 +15,10 @@ use crate::lease::Lease;
 /// Default queue for jobs that do not name one.
 pub const DEFAULT_QUEUE: &str = "default";
 
+/// The types of the schema that the queue's statements read or write (see
+/// `airlock_core::db::queue_plans`).
+pub const QUEUE_TYPES: [&str; 2] = ["job_state", "effect_class"];
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, sqlx::Type)]
 #[sqlx(type_name = "job_state", rename_all = "snake_case")]
 #[serde(rename_all = "snake_case")]

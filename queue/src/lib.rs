@@ -99,9 +99,12 @@ pub mod ring;
 pub mod slotted;
 pub mod waker;
 
-pub use claim::{CLAIM_SQL, COMPLETE_AND_CLAIM_SQL, Claim, ClaimFilter, ClaimFrom, claim_batch, complete_and_claim};
+pub use claim::{
+    CLAIM_SQL, COMPLETE_AND_CLAIM_SQL, Claim, ClaimFilter, ClaimFrom, Claimed, RING_SLOTS, claim_batch,
+    complete_and_claim,
+};
 pub use enqueue::{enqueue, enqueue_many, enqueue_many_quiet};
-pub use job::{DEFAULT_QUEUE, EffectClass, Enqueued, Job, JobAction, JobState, NewJob, QueueError, next};
+pub use job::{DEFAULT_QUEUE, EffectClass, Enqueued, Job, JobAction, JobState, NewJob, QUEUE_TYPES, QueueError, next};
 pub use lease::{
     COMPLETE_SQL, ENSURE_HELD_SQL, FailOutcome, HEARTBEAT_SQL, Lease, MARK_EFFECT_STARTED_SQL, complete, complete_many,
     ensure_held, fail, heartbeat, heartbeat_many, mark_effect_started, park, release, snooze,

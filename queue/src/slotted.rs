@@ -53,8 +53,8 @@ struct Statements {
     keep: bool,
     /// Completes `$1` id, `$2` attempt; yields `(id, attempt)` when it was held.
     complete: String,
-    /// The claim's `$1`–`$8` (see [`crate::CLAIM_SQL`]), completing `$9` id, `$10` attempt,
-    /// shaped as [`crate::COMPLETE_AND_CLAIM_SQL`].
+    /// The claim's `$1`–`$9` (see [`crate::CLAIM_SQL`]), completing `$10` id, `$11`
+    /// attempt, shaped as [`crate::COMPLETE_AND_CLAIM_SQL`].
     complete_and_claim: String,
 }
 
@@ -68,7 +68,7 @@ static STATEMENTS: LazyLock<Vec<Statements>> = LazyLock::new(|| {
                 complete: format!("WITH {} SELECT id, attempt FROM done", done_ctes(leaf, keep, 1, 2)),
                 complete_and_claim: format!(
                     concat!("WITH {}, ", crate::claim::claim_after_done!()),
-                    done_ctes(leaf, keep, 9, 10)
+                    done_ctes(leaf, keep, 10, 11)
                 ),
             });
         }
@@ -89,7 +89,7 @@ pub fn complete_sql(leases: &[Lease], keep: bool) -> Option<&'static str> {
 }
 
 /// The statement completing the one lease of `leases` in its partition and claiming (binds:
-/// the claim's eight, then its id and its attempt), when there is one lease and its
+/// the claim's nine, then its id and its attempt), when there is one lease and its
 /// partition is known.
 pub fn complete_and_claim_sql(leases: &[Lease], keep: bool) -> Option<&'static str> {
     statements(leases, keep).map(|s| s.complete_and_claim.as_str())

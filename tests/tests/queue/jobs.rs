@@ -400,6 +400,15 @@ async fn assert_live_partitions_through_indexes(pool: &PgPool, case: &str, plan:
     }
 }
 
+/// The planner settings of the worker's queue connections (`airlock_core::db::queue_plans`),
+/// on `conn`.
+async fn queue_plan_settings(conn: &mut sqlx::PgConnection) {
+    let settings = [("plan_cache_mode", "force_generic_plan")].into_iter().chain(airlock_core::db::QUEUE_PLAN_SETTINGS);
+    for (key, value) in settings {
+        sqlx::query("SELECT set_config($1, $2, false)").bind(key).bind(value).execute(&mut *conn).await.unwrap();
+    }
+}
+
 async fn prepare_function(conn: &mut sqlx::PgConnection, name: &str) -> Vec<String> {
     let prepared = airlock_bench::plans::prepare_function(conn, name).await.unwrap();
     assert!(!prepared.is_empty(), "{name} runs no statement");
@@ -418,56 +427,67 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
     let paused: Vec<String> =
         sqlx::query_scalar("SELECT coalesce(array_agg(queue), '{}') FROM queue_pauses").fetch_one(&pool).await.unwrap();
     assert_eq!(paused, vec!["send".to_string()]);
-    // The claim is kept prepared (in its function): its plan must be right both custom (for
-    // its actual values) and generic (the one a worker keeps), whatever queues are paused,
-    // from the front of the claim order or from a worker's cursor.
+    // The claim is kept prepared by the worker: its plan must be right both custom (for its
+    // actual values) and generic (the one a worker keeps), under the settings of the
+    // worker's connections, whatever queues are paused, from the front of the claim order
+    // or from a worker's cursor, with completions or without.
     let mut conn = pool.acquire().await.unwrap();
-    let claim = prepare_function(&mut conn, "airlock_jobs_claim").await;
-    assert_eq!(claim.len(), 1);
-    let pauses = ["'{}'", "'{send}'", r#"'{send,"it''s \\ odd"}'"#];
-    // The bound's three arguments, then where the scan starts (`start_at`, `start_id`).
-    let froms = [
-        ("NULL, NULL, NULL", "'-infinity', NULL"),
-        ("100, now() - interval '1 hour', gen_random_uuid()", "now() - interval '1 hour', gen_random_uuid()"),
+    queue_plan_settings(&mut conn).await;
+    let held = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 1, LEASE).await.unwrap();
+    let completing = [held[0].lease()];
+    let in_slot = format!(", '{}', {}", held[0].id, held[0].attempt);
+    let statements = [
+        ("claim", queue::CLAIM_SQL, "", ""),
+        ("complete and claim", queue::COMPLETE_AND_CLAIM_SQL, ", uuid[], integer[], boolean", ", '{}', '{}', true"),
+        (
+            "complete in the slot and claim",
+            queue::slotted::complete_and_claim_sql(&completing, true).unwrap(),
+            ", uuid, integer",
+            in_slot.as_str(),
+        ),
     ];
-    for (paused, from, queues) in
-        pauses.iter().flat_map(|p| froms.iter().flat_map(move |f| ["NULL", "'{default}'"].map(move |q| (p, f, q))))
-    {
-        // The backlog's slot not empty, the others empty (see `0030_claim_pruned`).
-        let (from, start) = from;
-        let args = format!("'w', {queues}, {paused}, 10, 30, {from}, 0, NULL, NULL, NULL, {start}");
-        for (mode, plan) in harness::plans(&mut conn, &claim[0], &args).await {
-            let case = format!("paused {paused}, from {from}, queues {queues}, {mode}");
-            // The backlog's slot is walked in claim order, from where the claim starts,
-            // merged with the other live partitions' claim indexes.
-            assert!(plan.contains("Index Scan using jobs_ring_0_claim_idx"), "{case}: {plan}");
-            assert!(plan.contains("Merge Append"), "{case}: {plan}");
-            // The empty slots are passed over when the plan starts.
-            assert!(!plan.contains("jobs_ring_1_claim_idx"), "{case}: an empty slot is not read: {plan}");
-            if from.starts_with("100") {
-                assert!(plan.contains("ROW(priority, run_at, id) >="), "{case}: the bound starts the scan: {plan}");
+    let pauses = ["'{}'", "'{send}'", r#"'{send,"it''s \\ odd"}'"#];
+    let froms = ["NULL, NULL, NULL", "100, now() - interval '1 hour', gen_random_uuid()"];
+    for (what, sql, types, completions) in statements {
+        let prepare = format!(
+            "PREPARE claim(text, text[], text[], bigint, float8, smallint, timestamptz, uuid, smallint[]{types}) AS {sql}"
+        );
+        sqlx::query(sqlx::AssertSqlSafe(prepare)).execute(&mut *conn).await.unwrap();
+        for (paused, from, queues) in
+            pauses.iter().flat_map(|p| froms.iter().flat_map(move |f| ["NULL", "'{default}'"].map(move |q| (p, f, q))))
+        {
+            // The ring's slots that hold rows: the backlog's.
+            let args = format!("'w', {queues}, {paused}, 10, 30, {from}, '{{0}}'{completions}");
+            for (mode, plan) in harness::plans(&mut conn, "claim", &args).await {
+                let case = format!("{what}: paused {paused}, from {from}, queues {queues}, {mode}");
+                // The backlog's slot is walked in claim order, from where the claim starts,
+                // merged with `jobs_long`'s claim index.
+                assert!(plan.contains("Index Scan using jobs_ring_0_claim_idx"), "{case}: {plan}");
+                assert!(plan.contains("Index Scan using jobs_long_claim_idx"), "{case}: {plan}");
+                assert!(plan.contains("Merge Append"), "{case}: {plan}");
+                // The slots not named are passed over when the plan starts.
+                assert!(!plan.contains("jobs_ring_1_claim_idx"), "{case}: a slot not named is not read: {plan}");
+                assert!(!plan.contains("jobs_ring_1_pkey"), "{case}: a slot not named is not read: {plan}");
+                if from.starts_with("100") {
+                    assert!(plan.contains("ROW(priority, run_at, id) >="), "{case}: the bound starts the scan: {plan}");
+                }
+                // Each job locked is updated through the primary key.
+                assert!(plan.contains("Index Scan using jobs_ring_0_pkey"), "{case}: {plan}");
+                assert!(!plan.contains("Sort  ("), "{case}: no sort of the backlog: {plan}");
+                assert!(!plan.contains("Hash Join") && !plan.contains("Merge Join"), "{case}: {plan}");
+                assert!(!plan.contains("Seq Scan on jobs"), "{case}: no partition read whole: {plan}");
+                let finished =
+                    plan.lines().filter(|l| l.contains("jobs_done")).all(|l| l.contains("Insert on jobs_done"));
+                assert!(finished, "{case}: the finished jobs are written, never read: {plan}");
             }
-            assert!(!plan.contains("Sort  ("), "{case}: no sort of the backlog: {plan}");
-            assert!(!plan.contains("Hash Join") && !plan.contains("Merge Join"), "{case}: {plan}");
-            assert!(!plan.contains("Seq Scan on jobs"), "{case}: no partition read whole: {plan}");
-            assert!(!plan.contains("jobs_done"), "{case}: the finished jobs are never read: {plan}");
-        }
-    }
-    unprepare(&mut conn, &claim).await;
-    // The worker's statements, which call it, with completions or without.
-    for (sql, args) in [
-        (queue::CLAIM_SQL, "'w', NULL, '{}', 10, 30, NULL, NULL, NULL".to_string()),
-        (queue::COMPLETE_AND_CLAIM_SQL, "'w', NULL, '{}', 10, 30, NULL, NULL, NULL, '{}', '{}', true".to_string()),
-    ] {
-        sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE claim AS {sql}"))).execute(&mut *conn).await.unwrap();
-        for (mode, plan) in harness::plans(&mut conn, "claim", &args).await {
-            assert!(plan.contains("Function Scan on airlock_jobs_claim"), "{mode}: {plan}");
         }
         sqlx::query("DEALLOCATE claim").execute(&mut *conn).await.unwrap();
     }
+    sqlx::query("RESET ALL").execute(&mut *conn).await.unwrap();
     drop(conn);
     let claimed = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 10, LEASE).await.unwrap();
     assert_eq!(claimed.len(), 10);
+    assert!(claimed.iter().all(|j| j.priority > held[0].priority || j.run_at >= held[0].run_at));
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
@@ -527,8 +547,10 @@ async fn writes_fenced_on_a_lease_find_their_rows_through_the_primary_key(pool: 
     // A completion of one held job names its slot's partition, and reaches every other
     // partition only when the job is not there any more (through `airlock_jobs_complete`,
     // whose plans are above).
+    // Planned as the worker's connections plan them.
+    queue_plan_settings(&mut conn).await;
     let lease = [held[0].lease()];
-    let claim_args = "'w', NULL, '{}', 10, 30, NULL, NULL, NULL";
+    let claim_args = "'w', NULL, '{}', 10, 30, NULL, NULL, NULL, '{0}'";
     for keep in [true, false] {
         let complete = queue::slotted::complete_sql(&lease, keep).unwrap();
         let complete_and_claim = queue::slotted::complete_and_claim_sql(&lease, keep).unwrap();
@@ -540,11 +562,18 @@ async fn writes_fenced_on_a_lease_find_their_rows_through_the_primary_key(pool: 
             for (mode, plan) in harness::plans(&mut conn, "slotted", &args).await {
                 let case = format!("slotted {name}, keep {keep}, {mode}");
                 assert!(plan.contains("Delete on jobs_ring_0"), "{case}: {plan}");
-                assert!(!plan.contains("jobs_live"), "{case}: the held job's partition alone: {plan}");
+                let deletes = plan.lines().filter(|l| l.contains("Delete on")).collect::<Vec<_>>();
+                assert!(
+                    deletes.iter().all(|l| l.contains("Delete on jobs_ring_0")),
+                    "{case}: the held job's partition alone: {plan}"
+                );
                 assert!(plan.contains("Index Scan using jobs_ring_0_pkey"), "{case}: {plan}");
                 assert!(plan.contains("One-Time Filter"), "{case}: the fallback runs only when needed: {plan}");
                 assert!(!plan.contains("Seq Scan"), "{case}: {plan}");
-                assert!(!plan.contains("jobs_ring_1"), "{case}: no other partition: {plan}");
+                if name == "complete" {
+                    assert!(!plan.contains("jobs_live"), "{case}: the held job's partition alone: {plan}");
+                    assert!(!plan.contains("jobs_ring_1"), "{case}: no other partition: {plan}");
+                }
             }
             sqlx::query("DEALLOCATE slotted").execute(&mut *conn).await.unwrap();
         }
@@ -630,10 +659,18 @@ async fn completions_that_delete_leave_no_row_and_a_lost_lease_deletes_nothing(p
     assert!(gone(pool.clone(), held[1..3].to_vec()).await);
     // Riding on a claim, for one job and for several.
     let filter = ClaimFilter::default();
-    let claim = queue::Claim { owner: "w", filter: &filter, limit: 0, lease: LEASE, paused: &[], from: None };
-    let (_, done) = queue::complete_and_claim(&pool, &claim, &held[3..4]).await.unwrap();
+    let claim = queue::Claim {
+        owner: "w",
+        filter: &filter,
+        limit: 0,
+        lease: LEASE,
+        paused: &[],
+        from: None,
+        ring: &queue::RING_SLOTS,
+    };
+    let done = queue::complete_and_claim(&pool, &claim, &held[3..4]).await.unwrap().done;
     assert_eq!(done, held[3..4].to_vec());
-    let (_, done) = queue::complete_and_claim(&pool, &claim, &held[4..6]).await.unwrap();
+    let done = queue::complete_and_claim(&pool, &claim, &held[4..6]).await.unwrap().done;
     assert_eq!(done.len(), 2);
     assert!(gone(pool.clone(), held[3..6].to_vec()).await);
     // Another crate's statement, through the piece, for one job and for several.
@@ -657,7 +694,7 @@ async fn completions_that_delete_leave_no_row_and_a_lost_lease_deletes_nothing(p
     let taken = again.iter().find(|j| j.id == last.id()).expect("claimed again").lease();
     assert!(matches!(queue::complete(&pool, last).await, Err(QueueError::LeaseLost { .. })));
     assert!(queue::complete_many(&pool, &[last]).await.unwrap().is_empty());
-    let (_, done) = queue::complete_and_claim(&pool, &claim, &[last]).await.unwrap();
+    let done = queue::complete_and_claim(&pool, &claim, &[last]).await.unwrap().done;
     assert!(done.is_empty());
     let state: JobState =
         sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1").bind(last.id()).fetch_one(&pool).await.unwrap();
@@ -688,13 +725,21 @@ async fn a_job_an_aborted_transaction_touched_is_left_by_bounded_claims_and_take
         run_at: chrono::Utc::now() - chrono::TimeDelta::minutes(10),
         id: airlock_core::ids::JobId(uuid::Uuid::nil()),
     };
-    let bounded = queue::Claim { owner: "w", filter: &filter, limit: 10, lease: LEASE, paused: &[], from: Some(from) };
-    let (jobs, _) = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap();
+    let bounded = queue::Claim {
+        owner: "w",
+        filter: &filter,
+        limit: 10,
+        lease: LEASE,
+        paused: &[],
+        from: Some(from),
+        ring: &queue::RING_SLOTS,
+    };
+    let jobs = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap().jobs;
     assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![other], "a bounded claim passes over it");
-    let (jobs, _) = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap();
+    let jobs = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap().jobs;
     assert!(jobs.is_empty(), "and keeps passing over it");
     let unbounded = queue::Claim { from: None, ..bounded };
-    let (jobs, _) = queue::complete_and_claim(&pool, &unbounded, &[]).await.unwrap();
+    let jobs = queue::complete_and_claim(&pool, &unbounded, &[]).await.unwrap().jobs;
     assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![touched], "an unbounded claim takes it");
 }
 
@@ -703,21 +748,20 @@ async fn a_job_an_aborted_transaction_touched_is_left_by_bounded_claims_and_take
 /// claim is rolled back.
 async fn claim_buffers(pool: &PgPool, from: Option<queue::ClaimFrom>) -> i64 {
     let mut tx = pool.begin().await.unwrap();
-    let claim = prepare_function(&mut tx, "airlock_jobs_claim").await;
-    // The bound, and where the scan starts (a bound older than a second: at the bound).
-    let (from, start) = match from {
-        Some(f) => {
-            let at = format!("'{}', '{}'", f.run_at.to_rfc3339(), f.id);
-            (format!("{}, {at}", f.priority), at)
-        }
-        None => ("NULL, NULL, NULL".to_string(), "'-infinity', NULL".to_string()),
+    queue_plan_settings(&mut tx).await;
+    let prepare = format!(
+        "PREPARE claim(text, text[], text[], bigint, float8, smallint, timestamptz, uuid, smallint[]) AS {}",
+        queue::CLAIM_SQL
+    );
+    sqlx::query(sqlx::AssertSqlSafe(prepare)).execute(&mut *tx).await.unwrap();
+    let from = match from {
+        Some(f) => format!("{}, '{}', '{}'", f.priority, f.run_at.to_rfc3339(), f.id),
+        None => "NULL, NULL, NULL".to_string(),
     };
     let sql = format!(
-        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {}('w', NULL, '{{}}', 10, 30, {from}, 0, 1, 2, 3, {start})",
-        claim[0]
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim('w', NULL, '{{}}', 10, 30, {from}, '{{0,1,2,3}}')"
     );
     let plan: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&mut *tx).await.unwrap();
-    unprepare(&mut tx, &claim).await;
     tx.rollback().await.unwrap();
     /// The blocks read by the scans of every live partition's claim index under `node`.
     fn scans(node: &serde_json::Value) -> Option<i64> {
@@ -845,13 +889,20 @@ async fn a_bounded_claim_starts_at_the_last_job_claimed_not_before_a_backlog_enq
     // back) claims locked, which bounded claims pass over and an unbounded one takes:
     // nothing skipped, nothing twice.
     let filter = ClaimFilter::default();
-    let bounded =
-        queue::Claim { owner: "w", filter: &filter, limit: 10_000, lease: LEASE, paused: &[], from: Some(at_last) };
-    let (rest, _) = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap();
+    let bounded = queue::Claim {
+        owner: "w",
+        filter: &filter,
+        limit: 10_000,
+        lease: LEASE,
+        paused: &[],
+        from: Some(at_last),
+        ring: &queue::RING_SLOTS,
+    };
+    let rest = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap().jobs;
     assert_eq!(rest.len(), 10_000 - 20, "every job after the last one claimed but the ones passed over");
     let key = |j: &queue::Job| (j.priority, j.run_at, j.id.0);
     assert!(rest.iter().all(|j| key(j) > key(last)), "all after the cursor");
-    let (passed, _) = queue::complete_and_claim(&pool, &queue::Claim { from: None, ..bounded }, &[]).await.unwrap();
+    let passed = queue::complete_and_claim(&pool, &queue::Claim { from: None, ..bounded }, &[]).await.unwrap().jobs;
     assert_eq!(passed.len(), 20);
     let ids: HashSet<JobId> = first.iter().chain(&rest).chain(&passed).map(|j| j.id).collect();
     assert_eq!(ids.len(), 20_000, "no job claimed twice");
@@ -867,10 +918,18 @@ async fn a_bounded_claim_takes_a_job_committed_behind_its_cursor_within_the_last
     let older = enqueue(&pool, NewJob::new("t", json!({})).run_at(now - chrono::TimeDelta::minutes(1))).await;
     let from = queue::ClaimFrom { priority: 100, run_at: now, id: JobId(uuid::Uuid::max()) };
     let filter = ClaimFilter::default();
-    let bounded = queue::Claim { owner: "w", filter: &filter, limit: 10, lease: LEASE, paused: &[], from: Some(from) };
-    let (jobs, _) = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap();
+    let bounded = queue::Claim {
+        owner: "w",
+        filter: &filter,
+        limit: 10,
+        lease: LEASE,
+        paused: &[],
+        from: Some(from),
+        ring: &queue::RING_SLOTS,
+    };
+    let jobs = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap().jobs;
     assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![recent.id], "the second behind is searched");
-    let (jobs, _) = queue::complete_and_claim(&pool, &queue::Claim { from: None, ..bounded }, &[]).await.unwrap();
+    let jobs = queue::complete_and_claim(&pool, &queue::Claim { from: None, ..bounded }, &[]).await.unwrap().jobs;
     assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![older.id], "the rest is the unbounded claim's");
 }
 
@@ -1308,7 +1367,7 @@ async fn a_claim_connection_closed_while_kept_is_replaced_before_a_claim_fails_o
     // Every connection that last ran a claim is closed by the server while it is kept.
     let closed: i64 = sqlx::query_scalar(
         "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity
-         WHERE datname = current_database() AND pid <> pg_backend_pid() AND query LIKE '%airlock_jobs_claim%'",
+         WHERE datname = current_database() AND pid <> pg_backend_pid() AND query LIKE '%claimed AS (UPDATE jobs_live j%'",
     )
     .fetch_one(&pool)
     .await

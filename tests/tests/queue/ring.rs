@@ -232,6 +232,7 @@ async fn a_completion_that_waited_for_its_slot_to_be_emptied_finds_its_job_moved
                 lease: LEASE,
                 paused: &[],
                 from: None,
+                ring: &queue::RING_SLOTS,
             };
             queue::complete_and_claim(&pool, &claim, &[lease]).await
         }
@@ -252,7 +253,7 @@ async fn a_completion_that_waited_for_its_slot_to_be_emptied_finds_its_job_moved
     mover.commit().await.unwrap();
 
     complete.await.unwrap().unwrap();
-    let (claimed, done) = complete_and_claim.await.unwrap().unwrap();
+    let queue::Claimed { jobs: claimed, done, .. } = complete_and_claim.await.unwrap().unwrap();
     assert_eq!(done, vec![held[1].lease()], "the lease completed where its job went");
     assert_eq!(claimed.len(), 1, "and the claim took the job left");
     assert_eq!(partition_of(&pool, claimed[0].id).await, "jobs_long");
@@ -667,4 +668,45 @@ async fn every_partition_refuses_a_job_that_breaks_the_rules_of_its_state(pool: 
     assert_eq!(count, taken as i64, "only the jobs that keep the rules were written");
     let long: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs_long").fetch_one(&pool).await.unwrap();
     assert_eq!(long, 1, "the slot -1 job lies in jobs_long");
+}
+
+/// A worker's claim reads the slots its last claim found holding rows. One made current
+/// since holds jobs the claim cannot see, however urgent: the claim says so, and the next
+/// claim, told of it, takes them; a claim told every slot holding rows passes none over.
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_claim_that_passed_over_a_slot_holding_jobs_says_so(pool: PgPool) {
+    let known = [current(&pool).await];
+    let first = enqueue(&pool, NewJob::new("test.ping", json!({}))).await.id;
+    // An empty slot made current, and a more urgent job enqueued into it.
+    let next = (known[0] + 1) % 4;
+    sqlx::query("UPDATE job_ring SET current = $1, since = now()").bind(next).execute(&pool).await.unwrap();
+    let urgent = enqueue(&pool, NewJob::new("test.ping", json!({})).priority(0)).await.id;
+    assert_eq!(partition_of(&pool, urgent).await, format!("jobs_ring_{next}"));
+
+    let filter = ClaimFilter::default();
+    let claim =
+        queue::Claim { owner: "w", filter: &filter, limit: 10, lease: LEASE, paused: &[], from: None, ring: &known };
+    let claimed = queue::complete_and_claim(&pool, &claim, &[]).await.unwrap();
+    assert_eq!(claimed.jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![first], "the slot it was told of");
+    assert_eq!(claimed.ring, vec![known[0], next], "the slots holding rows now");
+    assert!(claimed.passed_over, "a slot holding rows was not read");
+
+    let told = queue::Claim { ring: &claimed.ring, ..claim };
+    let again = queue::complete_and_claim(&pool, &told, &[]).await.unwrap();
+    assert_eq!(again.jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![urgent], "the job passed over, once");
+    assert!(!again.passed_over);
+    let none = queue::complete_and_claim(&pool, &told, &[]).await.unwrap();
+    assert!(none.jobs.is_empty() && !none.passed_over, "short, and nothing passed over: nothing left");
+
+    // Told of no slot at all (every slot empty when it last looked), it reads `jobs_long`.
+    let empty = queue::Claim { ring: &[], ..claim };
+    let leases = [claimed.jobs[0].lease(), again.jobs[0].lease()];
+    assert_eq!(queue::complete_many(&pool, &leases).await.unwrap().len(), 2);
+    let later = enqueue(&pool, NewJob::new("test.ping", json!({}))).await.id;
+    let blind = queue::complete_and_claim(&pool, &empty, &[]).await.unwrap();
+    assert!(blind.jobs.is_empty() && blind.passed_over, "{blind:?}");
+    let seen = queue::complete_and_claim(&pool, &queue::Claim { ring: &blind.ring, ..claim }, &[]).await.unwrap();
+    assert_eq!(seen.jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![later]);
+    let twice: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE attempt > 1").fetch_one(&pool).await.unwrap();
+    assert_eq!(twice, 0, "no job claimed twice");
 }

@@ -1,7 +1,7 @@
 //! Claiming: the claim loop, which decides when to claim and how many jobs, runs each
-//! claim as a task of its own, and hands what comes back to the slots; and the two caches
-//! that keep a claim one statement, the paused queues ([`Pauses`]) and where claims
-//! start ([`ClaimCursor`]).
+//! claim as a task of its own, and hands what comes back to the slots; and the caches that
+//! keep a claim one statement: the paused queues ([`Pauses`]), where claims start
+//! ([`ClaimCursor`]) and the slots of the ring they read ([`RingSeen`]).
 //!
 //! The claiming policy, from `claim_batch` and `concurrency`:
 //! - `claim_batch` below `concurrency`: claims of `claim_batch` per free slots, each
@@ -14,9 +14,10 @@
 //!   so no job waits here that another worker could run now.
 //!
 //! Invariants:
-//! - A worker claims only while it is neither idle (the last claim came back short: it
-//!   waits for a NOTIFY or the poll, due one poll interval after it went idle, however
-//!   many jobs finish meanwhile) nor backing off after a failed claim.
+//! - A worker claims only while it is neither idle (the last claim came back short and
+//!   passed over no slot of the ring holding rows: it waits for a NOTIFY or the poll, due
+//!   one poll interval after it went idle, however many jobs finish meanwhile) nor backing
+//!   off after a failed claim.
 //! - Completions carried by a claim that failed go to the completer, which tries them on
 //!   their own; none is dropped.
 //! - Claimed jobs are held (heartbeated) from the moment their claim returns, in the
@@ -61,6 +62,7 @@ pub(super) struct ClaimCtx {
     pub(super) lease: Duration,
     pub(super) pauses: Arc<Pauses>,
     pub(super) cursor: Arc<ClaimCursor>,
+    pub(super) ring: Arc<RingSeen>,
     pub(super) stats: Arc<WorkerStats>,
     /// Where completions go when the claim they rode on failed.
     pub(super) completer: mpsc::Sender<Completion>,
@@ -69,8 +71,10 @@ pub(super) struct ClaimCtx {
 /// What one claim statement brought back.
 struct ClaimResult {
     jobs: Result<Vec<Job>, QueueError>,
-    /// The most jobs the claim asked for: fewer means none are left to claim now.
+    /// The most jobs the claim asked for: fewer means none are left to claim now, unless
+    /// the claim passed over a slot of the ring holding rows (`passed_over`).
     asked: usize,
+    passed_over: bool,
     took: Duration,
     /// The claim was made right after a NOTIFY woke the worker.
     after_notify: bool,
@@ -270,8 +274,12 @@ impl ClaimLoop {
         match done.jobs {
             Ok(jobs) => {
                 self.db_backoff = CLAIM_BACKOFF_MIN;
-                if jobs.len() < done.asked && done.wakes == self.wakes {
+                if jobs.len() < done.asked && done.wakes == self.wakes && !done.passed_over {
                     self.idle = true;
+                }
+                // Made again at once, for the jobs it passed over: for what woke it, if a NOTIFY did.
+                if done.passed_over {
+                    self.woke_by_notify |= done.after_notify;
                 }
                 let stats = &self.ctx.stats;
                 if !jobs.is_empty() {
@@ -309,6 +317,7 @@ fn spawn_claim(
         let started = Instant::now();
         let from = c.cursor.from(started);
         let leases: Vec<Lease> = completing.iter().map(|x| x.lease).collect();
+        let ring = c.ring.get();
         let result = match c.pauses.get(&c.pool).await {
             Ok(paused) => {
                 let claim = queue::Claim {
@@ -318,6 +327,7 @@ fn spawn_claim(
                     lease: c.lease,
                     paused: &paused,
                     from,
+                    ring: &ring,
                 };
                 match c.conns.take(&c.pool).await {
                     Ok(mut conn) => {
@@ -334,10 +344,13 @@ fn spawn_claim(
             Err(e) => Err(e),
         };
         let took = started.elapsed();
+        let mut passed_over = false;
         let jobs = match result {
-            Ok((jobs, done)) => {
-                account(completing, &done.into_iter().collect(), &c.stats).await;
-                Ok(jobs)
+            Ok(claimed) => {
+                c.ring.set(&claimed.ring);
+                passed_over = claimed.passed_over;
+                account(completing, &claimed.done.into_iter().collect(), &c.stats).await;
+                Ok(claimed.jobs)
             }
             Err(e) => {
                 // Not completed: the completer tries them on their own.
@@ -353,7 +366,7 @@ fn spawn_claim(
         if from.is_some() {
             bump(&c.stats.bounded_claims);
         }
-        ClaimResult { jobs, asked: want, took, after_notify, wakes }
+        ClaimResult { jobs, asked: want, passed_over, took, after_notify, wakes }
     });
 }
 
@@ -442,6 +455,31 @@ impl Pauses {
             st.read_at = Some(read_at);
         }
         Ok(list)
+    }
+}
+
+/// The slots of the ring that held rows when this worker last claimed (all of them before
+/// its first claim): its next claim reads those and `jobs_long`, not the slots truncated and
+/// empty since. A slot fills only once it is made current; the claim that first finds it
+/// holding rows passes it over and says so, and the worker claims again at once, with it.
+pub(super) struct RingSeen(Mutex<Arc<[i16]>>);
+
+impl Default for RingSeen {
+    fn default() -> Self {
+        Self(Mutex::new(Arc::new(queue::RING_SLOTS)))
+    }
+}
+
+impl RingSeen {
+    fn get(&self) -> Arc<[i16]> {
+        lock(&self.0).clone()
+    }
+
+    fn set(&self, ring: &[i16]) {
+        let mut seen = lock(&self.0);
+        if **seen != *ring {
+            *seen = ring.into();
+        }
     }
 }
 

@@ -268,7 +268,8 @@ impl Worker {
         let (completer, completions) = mpsc::channel(4 * s.complete_batch.max(s.concurrency));
         let parallel = if s.complete_batch <= 1 { s.concurrency } else { COMPLETION_STATEMENTS };
         // Claims and completions: at most one statement per slot, plus the completer's.
-        let queue_pool = airlock_core::db::generic_plans(&self.pool, (s.concurrency + parallel) as u32);
+        let queue_pool =
+            airlock_core::db::queue_plans(&self.pool, (s.concurrency + parallel) as u32, &airlock_queue::QUEUE_TYPES);
         loops.spawn(complete::completion_loop(
             queue_pool.clone(),
             completions,
@@ -300,6 +301,7 @@ impl Worker {
                 lease: s.lease,
                 pauses: pauses.clone(),
                 cursor,
+                ring: Arc::new(claim::RingSeen::default()),
                 stats: self.stats.clone(),
                 completer: completer.clone(),
             },

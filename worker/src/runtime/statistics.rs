@@ -1,7 +1,7 @@
 //! First statistics: a table never analyzed is analyzed as soon as it holds work, not when
 //! autovacuum first reaches it. On a new installation autovacuum's first analysis of `jobs`
 //! comes a naptime or more after the backlog does, and until then the statements the
-//! worker keeps prepared (with generic plans, see `airlock_core::db::generic_plans`) are
+//! worker keeps prepared (with generic plans, see `airlock_core::db::queue_plans`) are
 //! planned without statistics; an ANALYZE invalidates those plans.
 //!
 //! Invariants:

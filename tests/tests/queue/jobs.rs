@@ -14,6 +14,12 @@ use tokio_util::sync::CancellationToken;
 
 const LEASE: Duration = Duration::from_secs(30);
 
+/// A claim of up to `limit` jobs for `w`, starting at `from` (`None`: the front), reading
+/// every slot of the ring.
+fn claim_from(filter: &ClaimFilter, limit: i64, from: Option<queue::ClaimFrom>) -> queue::Claim<'_> {
+    queue::Claim { owner: "w", filter, limit, lease: LEASE, paused: &[], from, ring: &queue::RING_SLOTS }
+}
+
 async fn enqueue(pool: &PgPool, job: NewJob) -> queue::Enqueued {
     let mut tx = pool.begin().await.unwrap();
     let e = queue::enqueue(&mut tx, &job).await.unwrap();
@@ -659,15 +665,7 @@ async fn completions_that_delete_leave_no_row_and_a_lost_lease_deletes_nothing(p
     assert!(gone(pool.clone(), held[1..3].to_vec()).await);
     // Riding on a claim, for one job and for several.
     let filter = ClaimFilter::default();
-    let claim = queue::Claim {
-        owner: "w",
-        filter: &filter,
-        limit: 0,
-        lease: LEASE,
-        paused: &[],
-        from: None,
-        ring: &queue::RING_SLOTS,
-    };
+    let claim = claim_from(&filter, 0, None);
     let done = queue::complete_and_claim(&pool, &claim, &held[3..4]).await.unwrap().done;
     assert_eq!(done, held[3..4].to_vec());
     let done = queue::complete_and_claim(&pool, &claim, &held[4..6]).await.unwrap().done;
@@ -725,15 +723,7 @@ async fn a_job_an_aborted_transaction_touched_is_left_by_bounded_claims_and_take
         run_at: chrono::Utc::now() - chrono::TimeDelta::minutes(10),
         id: airlock_core::ids::JobId(uuid::Uuid::nil()),
     };
-    let bounded = queue::Claim {
-        owner: "w",
-        filter: &filter,
-        limit: 10,
-        lease: LEASE,
-        paused: &[],
-        from: Some(from),
-        ring: &queue::RING_SLOTS,
-    };
+    let bounded = claim_from(&filter, 10, Some(from));
     let jobs = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap().jobs;
     assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![other], "a bounded claim passes over it");
     let jobs = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap().jobs;
@@ -889,15 +879,7 @@ async fn a_bounded_claim_starts_at_the_last_job_claimed_not_before_a_backlog_enq
     // back) claims locked, which bounded claims pass over and an unbounded one takes:
     // nothing skipped, nothing twice.
     let filter = ClaimFilter::default();
-    let bounded = queue::Claim {
-        owner: "w",
-        filter: &filter,
-        limit: 10_000,
-        lease: LEASE,
-        paused: &[],
-        from: Some(at_last),
-        ring: &queue::RING_SLOTS,
-    };
+    let bounded = claim_from(&filter, 10_000, Some(at_last));
     let rest = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap().jobs;
     assert_eq!(rest.len(), 10_000 - 20, "every job after the last one claimed but the ones passed over");
     let key = |j: &queue::Job| (j.priority, j.run_at, j.id.0);
@@ -918,15 +900,7 @@ async fn a_bounded_claim_takes_a_job_committed_behind_its_cursor_within_the_last
     let older = enqueue(&pool, NewJob::new("t", json!({})).run_at(now - chrono::TimeDelta::minutes(1))).await;
     let from = queue::ClaimFrom { priority: 100, run_at: now, id: JobId(uuid::Uuid::max()) };
     let filter = ClaimFilter::default();
-    let bounded = queue::Claim {
-        owner: "w",
-        filter: &filter,
-        limit: 10,
-        lease: LEASE,
-        paused: &[],
-        from: Some(from),
-        ring: &queue::RING_SLOTS,
-    };
+    let bounded = claim_from(&filter, 10, Some(from));
     let jobs = queue::complete_and_claim(&pool, &bounded, &[]).await.unwrap().jobs;
     assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![recent.id], "the second behind is searched");
     let jobs = queue::complete_and_claim(&pool, &queue::Claim { from: None, ..bounded }, &[]).await.unwrap().jobs;

@@ -275,15 +275,9 @@ async fn plans(db: &Db) -> anyhow::Result<String> {
         sqlx::query("DEALLOCATE shown").execute(&mut *conn).await?;
     }
     // The worker's claim, as its connections plan it (`airlock_core::db::queue_plans`).
-    for (key, value) in airlock_core::db::QUEUE_PLAN_SETTINGS {
-        sqlx::query("SELECT set_config($1, $2, false)").bind(key).bind(value).execute(&mut *conn).await?;
-    }
-    let prepare = format!(
-        "PREPARE claim(text, text[], text[], bigint, float8, smallint, timestamptz, uuid, smallint[]) AS {}",
-        airlock_queue::CLAIM_SQL
-    );
+    airlock_core::db::set_queue_plans(&mut conn).await?;
+    let prepare = format!("PREPARE claim AS {}", airlock_queue::CLAIM_SQL);
     sqlx::query(sqlx::AssertSqlSafe(prepare)).execute(&mut *conn).await?;
-    sqlx::query("SET plan_cache_mode = force_generic_plan").execute(&mut *conn).await?;
     let plan = explain(&mut conn, "claim", "'bench-plan', NULL, '{}', 10, 30, NULL, NULL, NULL, '{0,1,2,3}'").await?;
     out.push_str(&format!(
         "a worker's claim, unbounded, beside the history's finished jobs, generic plan:\n{}\n\n",

@@ -36,15 +36,15 @@ pub async fn connect(cfg: &DatabaseConfig) -> Result<PgPool, sqlx::Error> {
         .await
 }
 
-/// The planner settings of the queue's connections (see [`queue_plans`]), besides
-/// `plan_cache_mode = force_generic_plan`.
-pub const QUEUE_PLAN_SETTINGS: [(&str, &str); 5] = [
-    ("enable_seqscan", "off"),
-    ("enable_bitmapscan", "off"),
-    ("enable_hashjoin", "off"),
-    ("enable_mergejoin", "off"),
-    ("enable_sort", "off"),
-];
+/// The planner settings of the queue's connections (see [`queue_plans`]).
+const QUEUE_PLAN_SETTINGS: &str = "SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off; \
+     SET enable_bitmapscan = off; SET enable_hashjoin = off; SET enable_mergejoin = off; SET enable_sort = off";
+
+/// Gives `conn` the planner settings of the queue's connections (see [`queue_plans`]), for
+/// the session: what plans a worker's claims and completions get.
+pub async fn set_queue_plans(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(QUEUE_PLAN_SETTINGS).execute(conn).await.map(drop)
+}
 
 /// A pool of at most `max_connections` to the same database as `pool`, with its settings,
 /// for the queue's hottest statements, claims and completions, which the worker keeps
@@ -54,8 +54,7 @@ pub const QUEUE_PLAN_SETTINGS: [(&str, &str); 5] = [
 ///   left to choose, Postgres re-plans them at every execution, because a plan made for the
 ///   actual values looks cheaper than the generic one; that planning was about a fifth of
 ///   its CPU under load;
-/// - no plan but by index ([`QUEUE_PLAN_SETTINGS`]: no sequential or bitmap scan, hash or
-///   merge join, or sort): the ring's slots have no statistics and are truncated in turn,
+/// - no plan but by index (no sequential or bitmap scan, hash or merge join, or sort): the ring's slots have no statistics and are truncated in turn,
 ///   and a plan made while they were nearly empty, kept while one fills, would read a
 ///   backlog whole at every claim.
 ///
@@ -64,24 +63,21 @@ pub const QUEUE_PLAN_SETTINGS: [(&str, &str); 5] = [
 /// `types` (the schema's types the statements read or write), then takes the settings.
 /// Connections open when first needed.
 pub fn queue_plans(pool: &PgPool, max_connections: u32, types: &'static [&'static str]) -> PgPool {
-    let options = (*pool.connect_options()).clone().options([("plan_cache_mode", "force_generic_plan")]);
     let looked_up = format!("SELECT {}", types.iter().map(|t| format!("NULL::{t}")).collect::<Vec<_>>().join(", "));
-    let settings: String = QUEUE_PLAN_SETTINGS.iter().map(|(k, v)| format!("SET {k} = {v}; ")).collect();
     pool.options()
         .clone()
         .max_connections(max_connections)
         .min_connections(0)
         .after_connect(move |conn, _| {
-            let (looked_up, settings) = (looked_up.clone(), settings.clone());
+            let looked_up = looked_up.clone();
             Box::pin(async move {
                 if !types.is_empty() {
                     sqlx::query(sqlx::AssertSqlSafe(looked_up)).fetch_one(&mut *conn).await?;
                 }
-                sqlx::raw_sql(sqlx::AssertSqlSafe(settings)).execute(&mut *conn).await?;
-                Ok(())
+                set_queue_plans(conn).await
             })
         })
-        .connect_lazy_with(options)
+        .connect_lazy_with((*pool.connect_options()).clone())
 }
 
 /// The role the services connect as in a deployment that separates it from the owner of

@@ -406,15 +406,6 @@ async fn assert_live_partitions_through_indexes(pool: &PgPool, case: &str, plan:
     }
 }
 
-/// The planner settings of the worker's queue connections (`airlock_core::db::queue_plans`),
-/// on `conn`.
-async fn queue_plan_settings(conn: &mut sqlx::PgConnection) {
-    let settings = [("plan_cache_mode", "force_generic_plan")].into_iter().chain(airlock_core::db::QUEUE_PLAN_SETTINGS);
-    for (key, value) in settings {
-        sqlx::query("SELECT set_config($1, $2, false)").bind(key).bind(value).execute(&mut *conn).await.unwrap();
-    }
-}
-
 async fn prepare_function(conn: &mut sqlx::PgConnection, name: &str) -> Vec<String> {
     let prepared = airlock_bench::plans::prepare_function(conn, name).await.unwrap();
     assert!(!prepared.is_empty(), "{name} runs no statement");
@@ -438,27 +429,23 @@ async fn the_claim_walks_the_partial_index_even_behind_a_backlog(pool: PgPool) {
     // worker's connections, whatever queues are paused, from the front of the claim order
     // or from a worker's cursor, with completions or without.
     let mut conn = pool.acquire().await.unwrap();
-    queue_plan_settings(&mut conn).await;
+    airlock_core::db::set_queue_plans(&mut conn).await.unwrap();
     let held = queue::claim_batch(&pool, "w", &ClaimFilter::default(), 1, LEASE).await.unwrap();
     let completing = [held[0].lease()];
     let in_slot = format!(", '{}', {}", held[0].id, held[0].attempt);
     let statements = [
-        ("claim", queue::CLAIM_SQL, "", ""),
-        ("complete and claim", queue::COMPLETE_AND_CLAIM_SQL, ", uuid[], integer[], boolean", ", '{}', '{}', true"),
+        ("claim", queue::CLAIM_SQL, ""),
+        ("complete and claim", queue::COMPLETE_AND_CLAIM_SQL, ", '{}', '{}', true"),
         (
             "complete in the slot and claim",
             queue::slotted::complete_and_claim_sql(&completing, true).unwrap(),
-            ", uuid, integer",
-            in_slot.as_str(),
+            &in_slot,
         ),
     ];
     let pauses = ["'{}'", "'{send}'", r#"'{send,"it''s \\ odd"}'"#];
     let froms = ["NULL, NULL, NULL", "100, now() - interval '1 hour', gen_random_uuid()"];
-    for (what, sql, types, completions) in statements {
-        let prepare = format!(
-            "PREPARE claim(text, text[], text[], bigint, float8, smallint, timestamptz, uuid, smallint[]{types}) AS {sql}"
-        );
-        sqlx::query(sqlx::AssertSqlSafe(prepare)).execute(&mut *conn).await.unwrap();
+    for (what, sql, completions) in statements {
+        sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE claim AS {sql}"))).execute(&mut *conn).await.unwrap();
         for (paused, from, queues) in
             pauses.iter().flat_map(|p| froms.iter().flat_map(move |f| ["NULL", "'{default}'"].map(move |q| (p, f, q))))
         {
@@ -554,7 +541,7 @@ async fn writes_fenced_on_a_lease_find_their_rows_through_the_primary_key(pool: 
     // partition only when the job is not there any more (through `airlock_jobs_complete`,
     // whose plans are above).
     // Planned as the worker's connections plan them.
-    queue_plan_settings(&mut conn).await;
+    airlock_core::db::set_queue_plans(&mut conn).await.unwrap();
     let lease = [held[0].lease()];
     let claim_args = "'w', NULL, '{}', 10, 30, NULL, NULL, NULL, '{0}'";
     for keep in [true, false] {
@@ -738,12 +725,8 @@ async fn a_job_an_aborted_transaction_touched_is_left_by_bounded_claims_and_take
 /// claim is rolled back.
 async fn claim_buffers(pool: &PgPool, from: Option<queue::ClaimFrom>) -> i64 {
     let mut tx = pool.begin().await.unwrap();
-    queue_plan_settings(&mut tx).await;
-    let prepare = format!(
-        "PREPARE claim(text, text[], text[], bigint, float8, smallint, timestamptz, uuid, smallint[]) AS {}",
-        queue::CLAIM_SQL
-    );
-    sqlx::query(sqlx::AssertSqlSafe(prepare)).execute(&mut *tx).await.unwrap();
+    airlock_core::db::set_queue_plans(&mut tx).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE claim AS {}", queue::CLAIM_SQL))).execute(&mut *tx).await.unwrap();
     let from = match from {
         Some(f) => format!("{}, '{}', '{}'", f.priority, f.run_at.to_rfc3339(), f.id),
         None => "NULL, NULL, NULL".to_string(),

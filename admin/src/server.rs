@@ -184,18 +184,16 @@ async fn list_deliveries(
     let rows = store::list(&pool, &states, after, limit + 1).await?;
     let more = rows.len() as i64 > limit;
     let rows = &rows[..rows.len().min(limit as usize)];
-    let next = next_time_cursor(more, rows.last().map(|last| (last.created_at, last.id)));
-    let ids: Vec<_> = rows.iter().map(|d| d.id).collect();
-    let previews = store::previews(&pool, &ids).await?;
-    let items = rows.iter().map(|d| view::row(d, previews.iter().find(|p| p.id == d.id))).collect();
+    let next = next_time_cursor(more, rows.last().map(|last| (last.delivery.created_at, last.delivery.id)));
+    let items = rows.iter().map(view::row).collect();
     Ok(Json(Page { items, next }))
 }
 
 #[utoipa::path(get, path = "/admin/v1/deliveries/{id}", params(("id" = String, Path, description = "delivery id")), responses((status = 200, description = "everything, artifact included"), (status = 404)))]
 async fn get_delivery(State(pool): State<PgPool>, auth: Auth, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     auth.require(Role::Reviewer)?;
-    let d = store::get(&pool, parse_id(&id)?).await?.ok_or_else(|| ApiError::not_found("delivery"))?;
-    Ok(Json(view::render(&pool, &d, true).await?))
+    let (_, v) = view::show(&pool, parse_id(&id)?, true).await?.ok_or_else(|| ApiError::not_found("delivery"))?;
+    Ok(Json(v))
 }
 
 async fn full(pool: &PgPool, d: &store::Delivery) -> Result<Json<Value>, ApiError> {

@@ -177,8 +177,11 @@ async fn own_delivery(pool: &PgPool, auth: &Auth, id: &str) -> Result<store::Del
 #[utoipa::path(get, path = "/v1/deliveries/{id}", params(("id" = String, Path, description = "delivery id")),
     responses((status = 200, description = "the delivery"), (status = 404, description = "no such delivery of this agent")))]
 async fn get_delivery(State(pool): State<PgPool>, auth: Auth, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let d = own_delivery(&pool, &auth, &id).await?;
-    Ok(Json(view::render(&pool, &d, false).await?))
+    let agent = auth.agent()?;
+    match view::show(&pool, parse_id(&id)?, false).await? {
+        Some((d, v)) if d.agent == agent => Ok(Json(v)),
+        _ => Err(ApiError::not_found("delivery")),
+    }
 }
 
 #[derive(Debug, Deserialize, ToSchema)]

@@ -229,10 +229,17 @@ pub struct Reads {
     pub list_ms: Vec<f64>,
     pub page100_ms: Vec<f64>,
     pub get_ms: Vec<f64>,
+    /// The floors beside them: the admin's `/healthz` (one HTTP exchange, no database) and
+    /// one round trip of `SELECT 1` from the bench to the database, each timed as the reads.
+    pub healthz_ms: Vec<f64>,
+    pub select1_ms: Vec<f64>,
 }
 
 impl Reads {
-    /// Starts reading, on a sample of the history's sent deliveries, until `done`.
+    /// Starts reading, on a sample of the history's sent deliveries, until `done`. The
+    /// reviewer reads from a thread and a runtime of their own, with a client and a
+    /// database connection of their own: a reviewer's browser is not queued behind the
+    /// bench's submitters, and its reads are not either.
     async fn start(
         stack: &Arc<Stack>,
         db: &Db,
@@ -244,34 +251,71 @@ impl Reads {
         .fetch_all(&db.pool)
         .await?;
         anyhow::ensure!(!ids.is_empty(), "no history to read");
-        Ok(tokio::spawn(Reads::run(stack.clone(), ids, done.clone())))
+        let reader =
+            Reader { admin_url: stack.admin_url.clone(), token: stack.reviewer.clone(), db_url: db.url.clone() };
+        let done = done.clone();
+        Ok(tokio::task::spawn_blocking(move || {
+            tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(reader.run(ids, done))
+        }))
     }
+}
 
+/// A reviewer reading the admin service.
+struct Reader {
+    admin_url: String,
+    token: String,
+    db_url: String,
+}
+
+impl Reader {
     /// Reads as a reviewer does, one read every 20 ms, until `done`.
-    async fn run(stack: Arc<Stack>, ids: Vec<String>, done: Arc<AtomicBool>) -> anyhow::Result<Reads> {
-        let list = format!("{}/admin/v1/deliveries?state=in_review&limit=50", stack.admin_url);
+    async fn run(self, ids: Vec<String>, done: Arc<AtomicBool>) -> anyhow::Result<Reads> {
+        let http = reqwest::Client::builder().no_proxy().build()?;
+        let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&self.db_url).await?;
+        let get = |url: String| {
+            let request = http.get(url).bearer_auth(&self.token);
+            async move {
+                let t = Instant::now();
+                let r = request.send().await?;
+                let status = r.status();
+                let v: Value = r.json().await.unwrap_or(Value::Null);
+                let ms = t.elapsed().as_secs_f64() * 1000.0;
+                anyhow::ensure!(status.is_success(), "{status}: {v}");
+                anyhow::Ok((v, ms))
+            }
+        };
+        let list = format!("{}/admin/v1/deliveries?state=in_review&limit=50", self.admin_url);
         // Page 100: ninety-nine pages through the cursor first.
         let mut page100 = list.clone();
         for _ in 0..99 {
-            let (v, _) = stack.get(&page100).await?;
+            let (v, _) = get(page100.clone()).await?;
             let next = v["next"].as_str().context("the review queue has fewer than 100 pages")?;
             page100 = format!("{list}&cursor={next}");
         }
+        let healthz = format!("{}/healthz", self.admin_url);
         let mut reads = Reads::default();
         let mut i = 0;
         while !done.load(Ordering::Relaxed) {
-            let (v, ms) = stack.get(&page100).await?;
+            let (v, ms) = get(page100.clone()).await?;
             anyhow::ensure!(v["items"].as_array().is_some_and(|a| a.len() == 50), "page 100 is a full page: {v}");
             reads.page100_ms.push(ms);
             tokio::time::sleep(Duration::from_millis(20)).await;
-            reads.list_ms.push(stack.get(&list).await?.1);
+            reads.list_ms.push(get(list.clone()).await?.1);
             tokio::time::sleep(Duration::from_millis(20)).await;
-            let url = format!("{}/admin/v1/deliveries/{}", stack.admin_url, ids[i % ids.len()]);
-            reads.get_ms.push(stack.get(&url).await?.1);
+            let url = format!("{}/admin/v1/deliveries/{}", self.admin_url, ids[i % ids.len()]);
+            reads.get_ms.push(get(url).await?.1);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            reads.healthz_ms.push(get(healthz.clone()).await?.1);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let t = Instant::now();
+            sqlx::query("SELECT 1").execute(&mut conn).await?;
+            reads.select1_ms.push(t.elapsed().as_secs_f64() * 1000.0);
             tokio::time::sleep(Duration::from_millis(20)).await;
             i += 1;
         }
-        for v in [&mut reads.list_ms, &mut reads.page100_ms, &mut reads.get_ms] {
+        for v in
+            [&mut reads.list_ms, &mut reads.page100_ms, &mut reads.get_ms, &mut reads.healthz_ms, &mut reads.select1_ms]
+        {
             v.sort_by(f64::total_cmp);
         }
         Ok(reads)

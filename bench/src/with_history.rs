@@ -13,8 +13,8 @@ use anyhow::Context;
 
 use airlock_bench::history::{self, History};
 use airlock_delivery::state::DeliveryState;
-use airlock_delivery::store::deliveries::{GET_SQL, list_statement};
-use airlock_delivery::store::events::EVENTS_SQL;
+use airlock_delivery::store::deliveries::list_statement;
+use airlock_delivery::store::shown::SHOWN_SQL;
 use chrono::{DateTime, Utc};
 use serde_json::{Map, Value};
 use sqlx::postgres::PgPoolOptions;
@@ -160,6 +160,13 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
             p99(&at50.get_ms),
             history_first,
         );
+        eprintln!(
+            "    floors: admin /healthz p99 {:.1} ms, SELECT 1 p99 {:.1} ms under the pipeline; {:.1}, {:.1} ms beside the steady rate",
+            p99(&reads.healthz_ms),
+            p99(&reads.select1_ms),
+            p99(&at50.healthz_ms),
+            p99(&at50.select1_ms),
+        );
         let mut add = |k: &str, v: f64| figures.entry(k.to_string()).or_default().push(v);
         add("pipeline_history_deliveries_per_sec", f.pipeline.rate);
         add("pipeline_empty_deliveries_per_sec", e.pipeline.rate);
@@ -182,6 +189,10 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
         add("admin_list_at_steady_p99_ms", p99(&at50.list_ms));
         add("admin_list_page100_at_steady_p99_ms", p99(&at50.page100_ms));
         add("admin_get_at_steady_p99_ms", p99(&at50.get_ms));
+        add("admin_healthz_p99_ms", p99(&reads.healthz_ms));
+        add("admin_healthz_at_steady_p99_ms", p99(&at50.healthz_ms));
+        add("select1_p99_ms", p99(&reads.select1_ms));
+        add("select1_at_steady_p99_ms", p99(&at50.select1_ms));
         add("run_steps_per_sec_history", f.runs.steps_per_sec);
         add("run_steps_per_sec_empty", e.runs.steps_per_sec);
         add("run_steps_history_ratio", f.runs.steps_per_sec / e.runs.steps_per_sec);
@@ -264,16 +275,11 @@ async fn plans(db: &Db) -> anyhow::Result<String> {
     // A delivery of the history as its view reads it, and the claim over the history's
     // finished jobs as a worker runs it (in a transaction rolled back: an EXPLAIN ANALYZE
     // of it claims).
-    let delivery = format!("'{id}'");
-    let statements = [
-        ("GET /admin/v1/deliveries/{id}, the delivery of the history", GET_SQL, delivery.as_str()),
-        ("GET /admin/v1/deliveries/{id}, its events (hot log and archive)", EVENTS_SQL, delivery.as_str()),
-    ];
-    for (what, sql, args) in statements {
-        sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE shown AS {sql}"))).execute(&mut *conn).await?;
-        out.push_str(&format!("{what}, generic plan:\n{}\n\n", explain(&mut conn, "shown", args).await?.join("\n")));
-        sqlx::query("DEALLOCATE shown").execute(&mut *conn).await?;
-    }
+    let what = "GET /admin/v1/deliveries/{id}, a delivery of the history with all its view shows (events from the hot log and the archive)";
+    sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE shown AS {SHOWN_SQL}"))).execute(&mut *conn).await?;
+    let plan = explain(&mut conn, "shown", &format!("'{id}', true, NULL")).await?;
+    out.push_str(&format!("{what}, generic plan:\n{}\n\n", plan.join("\n")));
+    sqlx::query("DEALLOCATE shown").execute(&mut *conn).await?;
     // The worker's claim, as its connections plan it (`airlock_core::db::queue_plans`).
     airlock_core::db::set_queue_plans(&mut conn).await?;
     let prepare = format!("PREPARE claim AS {}", airlock_queue::CLAIM_SQL);

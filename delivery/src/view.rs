@@ -1,31 +1,32 @@
 //! How a delivery is shown: to its agent (no artifact body) and to reviewers (everything).
 
+use airlock_core::ids::DeliveryId;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
 use crate::artifact::EmailAddress;
 use crate::policy;
-use crate::store::{self, Delivery};
+use crate::store::{self, Delivery, Shown};
 
-/// The JSON of a delivery. `full` adds the artifact, the agent, the attempts and the
-/// score's details (the admin view). Its reads go to the pool at once, each on a
-/// connection of its own: a view costs one round trip's wait, not six, on a busy
-/// database.
+/// The delivery `id` and its JSON (see [`render`]), read in one statement; `None` when
+/// there is no such delivery.
+pub async fn show(db: &PgPool, id: DeliveryId, full: bool) -> Result<Option<(Delivery, Value)>, sqlx::Error> {
+    Ok(store::shown(db, id, full, None).await?.map(|(d, shown)| {
+        let v = compose(&d, shown, full);
+        (d, v)
+    }))
+}
+
+/// The JSON of a delivery as `d` has it (what an action returns). `full` adds the
+/// artifact, the agent, the attempts and the score's details (the admin view). What hangs
+/// off the delivery is read in one statement ([`store::shown`]).
 pub async fn render(db: &PgPool, d: &Delivery, full: bool) -> Result<Value, sqlx::Error> {
-    let (score, receipt, events, (artifact, submitted, attempts)) =
-        tokio::try_join!(store::latest_score(db, d.id), store::receipt(db, d.id), store::events(db, d.id), async {
-            if !full {
-                return Ok((None, None, Vec::new()));
-            }
-            // What the agent submitted, when a reviewer's edit replaced it (the diff's left
-            // side).
-            let edited = d.submitted_sha256 != d.artifact_sha256;
-            tokio::try_join!(
-                store::get_artifact(db, &d.artifact_sha256),
-                async { if edited { store::get_artifact(db, &d.submitted_sha256).await } else { Ok(None) } },
-                store::attempts(db, d.id),
-            )
-        },)?;
+    let shown = store::shown(db, d.id, full, Some(&d.artifact_sha256)).await?.map(|(_, s)| s).unwrap_or_default();
+    Ok(compose(d, shown, full))
+}
+
+fn compose(d: &Delivery, shown: Shown, full: bool) -> Value {
+    let Shown { score, receipt, events, artifact, submitted_artifact: submitted, attempts } = shown;
     let mut v = json!({
         "id": d.id,
         "run_id": d.run_id,
@@ -57,16 +58,16 @@ pub async fn render(db: &PgPool, d: &Delivery, full: bool) -> Result<Value, sqlx
             v["score"] = json!({"value": s.value, "reasons": s.reasons, "scorer": s.scorer, "threshold": s.threshold});
         }
     }
-    Ok(v)
+    v
 }
 
 /// A list row: the short line plus what a reviewer scans a queue by (the email's subject
 /// or the webhook's URL, and the latest score's value).
-pub fn row(d: &Delivery, preview: Option<&store::Preview>) -> Value {
-    let mut v = summary(d);
-    v["subject"] = json!(preview.and_then(|p| p.subject.clone()));
-    v["url"] = json!(preview.and_then(|p| p.url.clone()));
-    v["score"] = json!(preview.and_then(|p| p.score));
+pub fn row(listed: &store::Listed) -> Value {
+    let mut v = summary(&listed.delivery);
+    v["subject"] = json!(listed.subject);
+    v["url"] = json!(listed.url);
+    v["score"] = json!(listed.score);
     v
 }
 

@@ -3,7 +3,7 @@
 use airlock_core::ids::{DeliveryId, JobId};
 use airlock_queue::Lease;
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sqlx::{FromRow, PgExecutor};
 use uuid::Uuid;
 
@@ -91,7 +91,7 @@ pub async fn finish_open_attempts_of_job(
     Ok(r.rows_affected())
 }
 
-#[derive(Debug, Clone, FromRow, Serialize)]
+#[derive(Debug, Clone, FromRow, Serialize, Deserialize)]
 pub struct Attempt {
     pub id: Uuid,
     pub job_id: JobId,

@@ -155,11 +155,8 @@ fn is_step_taken(e: &sqlx::Error) -> bool {
         || airlock_runs::piece::is_step_taken(e)
 }
 
-/// The statement of [`get`]: the delivery `$1`.
-pub const GET_SQL: &str = "SELECT * FROM deliveries WHERE id = $1";
-
 pub async fn get(db: impl PgExecutor<'_>, id: DeliveryId) -> Result<Option<Delivery>, sqlx::Error> {
-    sqlx::query_as(GET_SQL).bind(id).fetch_optional(db).await
+    sqlx::query_as("SELECT * FROM deliveries WHERE id = $1").bind(id).fetch_optional(db).await
 }
 
 /// Reads a delivery and locks it for the rest of the transaction.
@@ -238,17 +235,30 @@ pub async fn read_for_send_many(db: impl PgExecutor<'_>, ids: &[DeliveryId]) -> 
     .await
 }
 
+/// What a list row shows of a delivery besides its own columns: the email's subject or
+/// the webhook's URL, and the value of its latest score.
+#[derive(Debug, Clone, FromRow)]
+pub struct Listed {
+    #[sqlx(flatten)]
+    pub delivery: Delivery,
+    pub subject: Option<String>,
+    pub url: Option<String>,
+    pub score: Option<f64>,
+}
+
 /// Lists deliveries oldest first, optionally in some states, after a cursor
-/// `(created_at, id)`. In one state (a review queue) the page is a range of
-/// `deliveries_state_idx` from the cursor on: no sort, and nothing read of the deliveries
-/// before the cursor or in other states, however many there are. Each shape of the filter
-/// is its own statement, so that a kept generic plan serves it as well as a fresh one.
+/// `(created_at, id)`, each with what its list row shows, in one statement. In one state
+/// (a review queue) the page is a range of `deliveries_state_idx` from the cursor on: no
+/// sort, and nothing read of the deliveries before the cursor or in other states, however
+/// many there are; then each row of the page finds its artifact and its latest score by
+/// their indexes. Each shape of the filter is its own statement, so that a kept generic
+/// plan serves it as well as a fresh one.
 pub async fn list(
     db: impl PgExecutor<'_>,
     states: &[DeliveryState],
     after: Option<(DateTime<Utc>, DeliveryId)>,
     limit: i64,
-) -> Result<Vec<Delivery>, sqlx::Error> {
+) -> Result<Vec<Listed>, sqlx::Error> {
     list_statement(states, after, limit).build_query_as().fetch_all(db).await
 }
 
@@ -258,7 +268,12 @@ pub fn list_statement(
     after: Option<(DateTime<Utc>, DeliveryId)>,
     limit: i64,
 ) -> sqlx::QueryBuilder<sqlx::Postgres> {
-    let mut qb = sqlx::QueryBuilder::new("SELECT * FROM deliveries WHERE true");
+    let mut qb = sqlx::QueryBuilder::new(
+        "SELECT d.*, a.body->'email'->>'subject' AS subject, a.body->'webhook'->>'url' AS url,
+                (SELECT s.value FROM scores s WHERE s.delivery_id = d.id
+                 ORDER BY s.created_at DESC, s.id DESC LIMIT 1) AS score
+         FROM (SELECT * FROM deliveries WHERE true",
+    );
     match states {
         [] => {}
         [one] => {
@@ -272,31 +287,12 @@ pub fn list_statement(
         qb.push(" AND (created_at, id) > (").push_bind(at).push(", ").push_bind(id).push(")");
     }
     qb.push(" ORDER BY created_at, id LIMIT ").push_bind(limit);
+    // The page's order is kept through the lateral lookups (a nested loop over the page).
+    qb.push(
+        ") d LEFT JOIN LATERAL (SELECT body FROM artifacts WHERE sha256 = d.artifact_sha256) a ON true
+         ORDER BY d.created_at, d.id",
+    );
     qb
-}
-
-/// What a list row shows of a delivery besides its own columns: the email's subject or
-/// the webhook's URL, and the value of its latest score.
-#[derive(Debug, Clone, FromRow)]
-pub struct Preview {
-    pub id: DeliveryId,
-    pub subject: Option<String>,
-    pub url: Option<String>,
-    pub score: Option<f64>,
-}
-
-/// The previews of `ids` (in no particular order; one per delivery found).
-pub async fn previews(db: impl PgExecutor<'_>, ids: &[DeliveryId]) -> Result<Vec<Preview>, sqlx::Error> {
-    sqlx::query_as(
-        r#"SELECT d.id, a.body->'email'->>'subject' AS subject, a.body->'webhook'->>'url' AS url,
-                  (SELECT s.value FROM scores s WHERE s.delivery_id = d.id
-                   ORDER BY s.created_at DESC, s.id DESC LIMIT 1) AS score
-           FROM deliveries d JOIN artifacts a ON a.sha256 = d.artifact_sha256
-           WHERE d.id = ANY ($1)"#,
-    )
-    .bind(ids)
-    .fetch_all(db)
-    .await
 }
 
 /// Points a delivery at a new artifact version (a reviewer's edit).

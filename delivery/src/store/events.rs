@@ -4,7 +4,7 @@
 
 use airlock_core::ids::DeliveryId;
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use sqlx::{FromRow, PgExecutor, Postgres, Transaction};
 
@@ -12,7 +12,7 @@ use crate::actor::Actor;
 use crate::state::{Action, DeliveryState, next};
 use crate::store::deliveries::{Delivery, DeliveryError};
 
-#[derive(Debug, Clone, FromRow, Serialize)]
+#[derive(Debug, Clone, FromRow, Serialize, Deserialize)]
 pub struct Event {
     pub seq: i32,
     #[serde(rename = "from")]

@@ -10,6 +10,7 @@
 //! - [`artifacts`], [`scores`], [`reviews`], [`approvals`]: what scoring and humans add.
 //! - [`attempts`] and [`receipts`]: the two ends of a send, fenced on its job's lease
 //!   through the queue's statement pieces (the queue alone writes `jobs`).
+//! - [`shown`]: everything a delivery's view shows, in one statement.
 //! - [`switch`]: the global send switch.
 //! - [`suppressions`]: recipients nothing may be sent to, and the recipients the
 //!   per-recipient limit counts.
@@ -23,6 +24,7 @@ pub mod events;
 pub mod receipts;
 pub mod reviews;
 pub mod scores;
+pub mod shown;
 pub mod suppressions;
 pub mod switch;
 
@@ -35,4 +37,5 @@ pub use events::*;
 pub use receipts::*;
 pub use reviews::*;
 pub use scores::*;
+pub use shown::*;
 pub use switch::*;

@@ -3,7 +3,7 @@
 use airlock_core::ids::DeliveryId;
 use airlock_queue::Lease;
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sqlx::{FromRow, PgExecutor};
 use uuid::Uuid;
 
@@ -56,7 +56,7 @@ pub async fn record_sent(
     qb.build_query_as().fetch_all(db).await
 }
 
-#[derive(Debug, Clone, FromRow, Serialize)]
+#[derive(Debug, Clone, FromRow, Serialize, Deserialize)]
 pub struct Receipt {
     pub channel: Channel,
     pub message_id: Option<String>,
@@ -101,14 +101,4 @@ pub async fn insert_receipt(db: impl PgExecutor<'_>, r: &NewReceipt<'_>) -> Resu
     .execute(db)
     .await?;
     Ok(())
-}
-
-pub async fn receipt(db: impl PgExecutor<'_>, delivery_id: DeliveryId) -> Result<Option<Receipt>, sqlx::Error> {
-    sqlx::query_as(
-        r#"SELECT channel, message_id, provider_response, payload_sha256, sent_at, attempt, worker, attested_by
-           FROM receipts WHERE delivery_id = $1"#,
-    )
-    .bind(delivery_id)
-    .fetch_optional(db)
-    .await
 }

@@ -2,11 +2,11 @@
 
 use airlock_core::ids::DeliveryId;
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sqlx::{FromRow, PgExecutor};
 use uuid::Uuid;
 
-#[derive(Debug, Clone, FromRow, Serialize)]
+#[derive(Debug, Clone, FromRow, Serialize, Deserialize)]
 pub struct ScoreRow {
     pub value: f64,
     pub reasons: serde_json::Value,
@@ -60,14 +60,4 @@ pub async fn insert_scores(db: impl PgExecutor<'_>, scores: &[NewScore<'_>]) -> 
     .execute(db)
     .await?;
     Ok(())
-}
-
-pub async fn latest_score(db: impl PgExecutor<'_>, delivery_id: DeliveryId) -> Result<Option<ScoreRow>, sqlx::Error> {
-    sqlx::query_as(
-        r#"SELECT value, reasons, scorer, threshold, artifact_sha256, created_at FROM scores
-           WHERE delivery_id = $1 ORDER BY created_at DESC, id DESC LIMIT 1"#,
-    )
-    .bind(delivery_id)
-    .fetch_optional(db)
-    .await
 }

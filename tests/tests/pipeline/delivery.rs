@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use airlock_delivery::policy;
 use airlock_delivery::state::DeliveryState;
+use airlock_delivery::store;
 use airlock_queue::{self as queue, ClaimFilter};
 use airlock_tests::app::TestApp;
 use airlock_tests::smtp::Fault;
@@ -407,6 +408,75 @@ async fn approval_rules_and_roles(pool: PgPool) {
 
     stop.cancel();
     worker.await.unwrap().unwrap();
+}
+
+/// A delivery's view, read in one statement, shows what each of its rows says: the
+/// version a reviewer edited and the one its agent submitted, the latest score, every
+/// event, every attempt and the receipt, decoded to the same values their own statements
+/// give; its agent sees it without the artifact, another agent not at all.
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_delivery_is_shown_as_its_rows_say(pool: PgPool) {
+    let app = TestApp::start(pool, &[]).await;
+    let (stop, worker) = app.start_worker("w-shown");
+    let run = app.create_run(0).await;
+    let id = app.submit(TestApp::email(&run, "shown", "Quarterly report")).await;
+    let d = app.wait_state(&id, DeliveryState::AwaitingApproval, WAIT).await;
+    let submitted = d["artifact"].clone();
+    let mut edited = submitted.clone();
+    edited["email"]["subject"] = json!("Quarterly report (corrected)");
+    let url = format!("{}/admin/v1/deliveries/{id}/edit", app.admin);
+    let (s, v) = app.call("POST", &url, Some(&app.reviewer), Some(json!({"artifact": edited, "note": "typo"}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!((&v["artifact"], &v["submitted_artifact"]), (&edited, &submitted), "the edit answers both versions");
+    app.set_switch(true).await;
+    app.approve(&id).await;
+    app.wait_state(&id, DeliveryState::Sent, WAIT).await;
+    stop.cancel();
+    worker.await.unwrap().unwrap();
+
+    let (s, v) = app.call("GET", &format!("{}/admin/v1/deliveries/{id}", app.admin), Some(&app.reviewer), None).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let uuid: uuid::Uuid = id.parse().unwrap();
+    let events = store::events(&app.pool, uuid.into()).await.unwrap();
+    assert!(events.len() >= 6, "scored, reviewed, edited, approved, sending, sent: {events:?}");
+    assert_eq!(v["events"], serde_json::to_value(&events).unwrap(), "every event, oldest first");
+    let attempts = store::attempts(&app.pool, uuid.into()).await.unwrap();
+    assert_eq!(attempts.len(), 1);
+    assert_eq!(v["attempts"], serde_json::to_value(&attempts).unwrap());
+    let (value, reasons, scorer, threshold): (f64, Value, String, f64) = sqlx::query_as(
+        "SELECT value, reasons, scorer, threshold FROM scores WHERE delivery_id = $1 ORDER BY created_at DESC, id DESC LIMIT 1",
+    )
+    .bind(uuid)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(v["score"], json!({"value": value, "reasons": reasons, "scorer": scorer, "threshold": threshold}));
+    let (message_id, payload, sent_at): (Option<String>, String, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as("SELECT message_id, payload_sha256, sent_at FROM receipts WHERE delivery_id = $1")
+            .bind(uuid)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(v["receipt"]["message_id"], json!(message_id));
+    assert_eq!(v["receipt"]["payload_sha256"], json!(payload));
+    assert_eq!(v["receipt"]["sent_at"], json!(sent_at), "to the microsecond");
+    assert_eq!((&v["artifact"], &v["submitted_artifact"]), (&edited, &submitted));
+    assert_eq!(v["submitted_sha256"], d["artifact_sha256"]);
+    assert_eq!(v["state"], "sent");
+
+    // Its agent: the same journey without the artifact; another agent: nothing.
+    let own = format!("{}/v1/deliveries/{id}", app.api);
+    let (s, mine) = app.call("GET", &own, Some(&app.agent), None).await;
+    assert_eq!(s, StatusCode::OK, "{mine}");
+    assert_eq!((&mine["events"], &mine["receipt"]), (&v["events"], &v["receipt"]));
+    assert_eq!(mine["score"], json!({"value": value, "reasons": reasons}));
+    assert!(mine.get("artifact").is_none() && mine.get("attempts").is_none(), "{mine}");
+    let (s, theirs) = app.call("GET", &own, Some(&app.other_agent), None).await;
+    assert_eq!((s, theirs["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("NOT_FOUND")), "{theirs}");
+    let (s, _) = app
+        .call("GET", &format!("{}/admin/v1/deliveries/{}", app.admin, uuid::Uuid::now_v7()), Some(&app.reviewer), None)
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
 }
 
 /// Approves a fresh delivery with the switch on; returns its id.

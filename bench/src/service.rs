@@ -145,13 +145,7 @@ impl Stack {
 
     /// GETs `url` as the reviewer; its answer and how long it took, ms.
     pub async fn get(&self, url: &str) -> anyhow::Result<(Value, f64)> {
-        let t = Instant::now();
-        let r = self.http.get(url).bearer_auth(&self.reviewer).send().await?;
-        let status = r.status();
-        let v: Value = r.json().await.unwrap_or(Value::Null);
-        let ms = t.elapsed().as_secs_f64() * 1000.0;
-        anyhow::ensure!(status.is_success(), "{url}: {status}: {v}");
-        Ok((v, ms))
+        timed_get(&self.http, url, &self.reviewer).await
     }
 
     /// A standing grant approving this stack's agent's email to example.org.
@@ -260,6 +254,18 @@ impl Reads {
     }
 }
 
+/// GETs `url` with `token`; its answer and how long it took, ms.
+async fn timed_get(http: &reqwest::Client, url: impl AsRef<str>, token: &str) -> anyhow::Result<(Value, f64)> {
+    let url = url.as_ref();
+    let t = Instant::now();
+    let r = http.get(url).bearer_auth(token).send().await?;
+    let status = r.status();
+    let v: Value = r.json().await.unwrap_or(Value::Null);
+    let ms = t.elapsed().as_secs_f64() * 1000.0;
+    anyhow::ensure!(status.is_success(), "{url}: {status}: {v}");
+    Ok((v, ms))
+}
+
 /// A reviewer reading the admin service.
 struct Reader {
     admin_url: String,
@@ -272,18 +278,7 @@ impl Reader {
     async fn run(self, ids: Vec<String>, done: Arc<AtomicBool>) -> anyhow::Result<Reads> {
         let http = reqwest::Client::builder().no_proxy().build()?;
         let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&self.db_url).await?;
-        let get = |url: String| {
-            let request = http.get(url).bearer_auth(&self.token);
-            async move {
-                let t = Instant::now();
-                let r = request.send().await?;
-                let status = r.status();
-                let v: Value = r.json().await.unwrap_or(Value::Null);
-                let ms = t.elapsed().as_secs_f64() * 1000.0;
-                anyhow::ensure!(status.is_success(), "{status}: {v}");
-                anyhow::Ok((v, ms))
-            }
-        };
+        let get = |url: String| timed_get(&http, url, &self.token);
         let list = format!("{}/admin/v1/deliveries?state=in_review&limit=50", self.admin_url);
         // Page 100: ninety-nine pages through the cursor first.
         let mut page100 = list.clone();

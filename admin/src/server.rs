@@ -192,7 +192,7 @@ async fn list_deliveries(
 #[utoipa::path(get, path = "/admin/v1/deliveries/{id}", params(("id" = String, Path, description = "delivery id")), responses((status = 200, description = "everything, artifact included"), (status = 404)))]
 async fn get_delivery(State(pool): State<PgPool>, auth: Auth, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     auth.require(Role::Reviewer)?;
-    let (_, v) = view::show(&pool, parse_id(&id)?, true).await?.ok_or_else(|| ApiError::not_found("delivery"))?;
+    let (_, v) = view::show(&pool, parse_id(&id)?, true, None).await?.ok_or_else(|| ApiError::not_found("delivery"))?;
     Ok(Json(v))
 }
 

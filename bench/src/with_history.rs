@@ -288,7 +288,7 @@ async fn plans(db: &Db) -> anyhow::Result<String> {
     // of it claims).
     let what = "GET /admin/v1/deliveries/{id}, a delivery of the history with all its view shows (events from the hot log and the archive)";
     sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE shown AS {SHOWN_SQL}"))).execute(&mut *conn).await?;
-    let plan = explain(&mut conn, "shown", &format!("'{id}', true, NULL")).await?;
+    let plan = explain(&mut conn, "shown", &format!("'{id}', true, NULL, NULL")).await?;
     out.push_str(&format!("{what}, generic plan:\n{}\n\n", plan.join("\n")));
     sqlx::query("DEALLOCATE shown").execute(&mut *conn).await?;
     // The worker's claim, as its connections plan it (`airlock_core::db::queue_plans`).

@@ -9,9 +9,14 @@ use crate::policy;
 use crate::store::{self, Delivery, Shown};
 
 /// The delivery `id` and its JSON (see [`render`]), read in one statement; `None` when
-/// there is no such delivery.
-pub async fn show(db: &PgPool, id: DeliveryId, full: bool) -> Result<Option<(Delivery, Value)>, sqlx::Error> {
-    Ok(store::shown(db, id, full, None).await?.map(|(d, shown)| {
+/// there is no such delivery, or, with `agent`, none of that agent's.
+pub async fn show(
+    db: &PgPool,
+    id: DeliveryId,
+    full: bool,
+    agent: Option<&str>,
+) -> Result<Option<(Delivery, Value)>, sqlx::Error> {
+    Ok(store::shown(db, id, full, None, agent).await?.map(|(d, shown)| {
         let v = compose(&d, shown, full);
         (d, v)
     }))
@@ -21,7 +26,7 @@ pub async fn show(db: &PgPool, id: DeliveryId, full: bool) -> Result<Option<(Del
 /// artifact, the agent, the attempts and the score's details (the admin view). What hangs
 /// off the delivery is read in one statement ([`store::shown`]).
 pub async fn render(db: &PgPool, d: &Delivery, full: bool) -> Result<Value, sqlx::Error> {
-    let shown = store::shown(db, d.id, full, Some(&d.artifact_sha256)).await?.map(|(_, s)| s).unwrap_or_default();
+    let shown = store::shown(db, d.id, full, Some(&d.artifact_sha256), None).await?.map(|(_, s)| s).unwrap_or_default();
     Ok(compose(d, shown, full))
 }
 

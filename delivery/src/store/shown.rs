@@ -32,7 +32,8 @@ pub struct Shown {
 }
 
 /// The statement of [`shown`]: `$1` the delivery, `$2` whether to read what only a
-/// reviewer sees, `$3` the artifact version to show (NULL: the delivery's current one).
+/// reviewer sees, `$3` the artifact version to show (NULL: the delivery's current one),
+/// `$4` the agent it must belong to (NULL: any).
 pub const SHOWN_SQL: &str = r#"SELECT d.*,
     (SELECT to_jsonb(s) FROM (
         SELECT value, reasons, scorer, threshold, artifact_sha256, created_at FROM scores
@@ -54,15 +55,17 @@ pub const SHOWN_SQL: &str = r#"SELECT d.*,
     (SELECT coalesce(jsonb_agg(to_jsonb(t) ORDER BY t.started_at, t.id), '[]') FROM (
         SELECT id, job_id, lease_attempt, worker, artifact_sha256, started_at, outcome, detail, finished_at
         FROM send_attempts WHERE $2::boolean AND delivery_id = d.id) t) AS attempts
-FROM deliveries d WHERE d.id = $1::uuid"#;
+FROM deliveries d WHERE d.id = $1::uuid AND ($4::text IS NULL OR d.agent = $4)"#;
 
 /// The delivery `id` with what its view shows; `full` adds what only a reviewer sees, of
-/// the artifact version `artifact_sha256` (`None`: the delivery's current one).
+/// the artifact version `artifact_sha256` (`None`: the delivery's current one). With
+/// `agent`, a delivery of another agent is not read at all (`None`, as an unknown id).
 pub async fn shown(
     db: impl PgExecutor<'_>,
     id: DeliveryId,
     full: bool,
     artifact_sha256: Option<&str>,
+    agent: Option<&str>,
 ) -> Result<Option<(Delivery, Shown)>, sqlx::Error> {
     #[derive(FromRow)]
     struct Row {
@@ -76,7 +79,7 @@ pub async fn shown(
         attempts: Json<Vec<Attempt>>,
     }
     let row: Option<Row> =
-        sqlx::query_as(SHOWN_SQL).bind(id).bind(full).bind(artifact_sha256).fetch_optional(db).await?;
+        sqlx::query_as(SHOWN_SQL).bind(id).bind(full).bind(artifact_sha256).bind(agent).fetch_optional(db).await?;
     Ok(row.map(|r| {
         let shown = Shown {
             score: r.score.map(|s| s.0),

@@ -165,11 +165,10 @@ pub async fn load(pool: &PgPool, h: History, tag: &str) -> anyhow::Result<Vec<(&
         r#"INSERT INTO deliveries (id, run_id, step_id, agent, channel, state, version, idempotency_key,
                                    artifact_sha256, submitted_sha256, effect_class, event_hash, created_at, updated_at)
            SELECT id, run_id, 'history-' || g, agent, 'email', path[cardinality(path)]::delivery_state,
-                  cardinality(path), $1 || ':' || g, sha, sha, 'non_repeatable', head, at,
+                  cardinality(path), 'dlv_' || airlock_effect_key(run_id, 'history-' || g), sha, sha, 'non_repeatable', head, at,
                   at + interval '200 milliseconds' * (cardinality(path) - 1)
            FROM history"#,
     )
-    .bind(tag)
     .execute(&mut *c)
     .await?;
     sqlx::query(

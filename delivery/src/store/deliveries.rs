@@ -149,9 +149,7 @@ pub async fn submit(
 
 /// The error of inserting a delivery for a run's step that has one already.
 fn is_step_taken(e: &sqlx::Error) -> bool {
-    e.as_database_error()
-        .and_then(|d| d.constraint())
-        .is_some_and(|c| c == "deliveries_run_step_key" || c == "deliveries_idempotency_key_key")
+    e.as_database_error().and_then(|d| d.constraint()).is_some_and(|c| c == "deliveries_run_step_key")
         || airlock_runs::piece::is_step_taken(e)
 }
 

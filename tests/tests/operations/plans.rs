@@ -38,7 +38,8 @@ async fn the_review_queue_is_read_through_its_index_whatever_the_history(pool: P
         "INSERT INTO deliveries (id, run_id, step_id, agent, channel, state, idempotency_key, artifact_sha256,
                                  submitted_sha256, effect_class, event_hash, created_at)
          SELECT gen_random_uuid(), d.run_id, 'h' || g, d.agent, d.channel,
-                (CASE WHEN g % 60 = 0 THEN 'in_review' ELSE 'sent' END)::delivery_state, 'h' || g,
+                (CASE WHEN g % 60 = 0 THEN 'in_review' ELSE 'sent' END)::delivery_state,
+                'dlv_' || airlock_effect_key(d.run_id, 'h' || g),
                 encode(sha256(convert_to('h' || g, 'UTF8')), 'hex'), encode(sha256(convert_to('h' || g, 'UTF8')), 'hex'),
                 d.effect_class, d.event_hash, now() - make_interval(secs => g)
          FROM deliveries d, generate_series(1, 30000) g WHERE d.id = $1::uuid",

@@ -168,6 +168,66 @@ async fn submissions_are_idempotent_and_budgeted(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
+async fn a_deliverys_key_is_the_derivation_of_its_run_and_step_and_no_other(pool: PgPool) {
+    let app = TestApp::start(pool, &[]).await;
+    let run = app.create_run(0).await;
+    let url = format!("{}/v1/deliveries", app.api);
+    // The store's derivation and the service's agree, on ASCII and on multi-byte step ids.
+    let mut keys = Vec::new();
+    for step in ["s1", "étape-ü-\u{1F642}-\u{4E2D}"] {
+        let (s, v) = app.call("POST", &url, Some(&app.agent), Some(TestApp::email(&run, step, "Hello"))).await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        let key = v["idempotency_key"].as_str().unwrap().to_string();
+        assert_eq!(key, policy::idempotency_key(&run.parse().unwrap(), step));
+        let derived: String = sqlx::query_scalar("SELECT 'dlv_' || airlock_effect_key($1::uuid, $2)")
+            .bind(&run)
+            .bind(step)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+        assert_eq!(derived, key);
+        keys.push((v["id"].as_str().unwrap().to_string(), key));
+    }
+
+    // No row carries a key that is not its own: not another step's (two deliveries sharing
+    // one key), not one made up.
+    let refused = |e: sqlx::Error| e.as_database_error().and_then(|d| d.constraint().map(str::to_string));
+    let stolen = sqlx::query("UPDATE deliveries SET idempotency_key = $1 WHERE id = $2::uuid")
+        .bind(&keys[0].1)
+        .bind(&keys[1].0)
+        .execute(&app.pool)
+        .await
+        .map_err(refused);
+    assert_eq!(stolen.unwrap_err().as_deref(), Some("deliveries_idempotency_key_derived"));
+    let copied = sqlx::query(
+        "INSERT INTO deliveries (id, run_id, step_id, agent, channel, idempotency_key, artifact_sha256,
+                                 submitted_sha256, effect_class, event_hash)
+         SELECT gen_random_uuid(), run_id, 'another', agent, channel, idempotency_key, artifact_sha256,
+                submitted_sha256, effect_class, event_hash
+         FROM deliveries WHERE id = $1::uuid",
+    )
+    .bind(&keys[0].0)
+    .execute(&app.pool)
+    .await
+    .map_err(refused);
+    assert_eq!(copied.unwrap_err().as_deref(), Some("deliveries_idempotency_key_derived"));
+    for made_up in ["", "dlv_", "dlv_00000000000000000000000000000000", &keys[0].1.to_uppercase()] {
+        let r = sqlx::query("UPDATE deliveries SET idempotency_key = $1 WHERE id = $2::uuid")
+            .bind(made_up)
+            .bind(&keys[0].0)
+            .execute(&app.pool)
+            .await
+            .map_err(refused);
+        assert_eq!(r.unwrap_err().as_deref(), Some("deliveries_idempotency_key_derived"), "{made_up:?}");
+    }
+    let now: Vec<String> = sqlx::query_scalar("SELECT idempotency_key FROM deliveries ORDER BY created_at")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(now, keys.iter().map(|k| k.1.clone()).collect::<Vec<_>>(), "nothing changed");
+}
+
+#[sqlx::test(migrator = "airlock_core::db::MIGRATOR")]
 async fn the_same_submission_at_once_makes_one_delivery_and_spends_one_step(pool: PgPool) {
     let app = Arc::new(TestApp::start(pool, &[]).await);
     let run = app.create_run(0).await;

@@ -64,6 +64,21 @@ struct Args {
     /// Finished jobs in the history.
     #[arg(long, default_value_t = History::MONTH.jobs)]
     history_jobs: i64,
+    /// The history part, for profiling the reviewer's reads: measure only them, under the
+    /// saturating pipeline, on this database of the same server, which already holds a
+    /// history (one kept by `--keep-history`); each repetition is printed, no result file
+    /// is written, and the database is left as it is.
+    #[arg(long)]
+    history_db: Option<String>,
+    /// Keep the history part's database when it ends (its name is printed), for
+    /// `--history-db`.
+    #[arg(long)]
+    keep_history: bool,
+    /// The CPU priority the service's workers start at in the pipeline, steady-rate and
+    /// history measurements (`nice -n`, 0 to 19): a host running the api, the admin and
+    /// Postgres beside its workers may lower theirs (see docs/operations.md).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=19))]
+    worker_nice: u8,
     /// Jobs the `fresh` part keeps waiting while its workers drain them.
     #[arg(long, default_value_t = 4_000)]
     fresh_backlog: i64,
@@ -166,6 +181,15 @@ impl Db {
         Ok(Self { admin, name, url, pool })
     }
 
+    /// An existing database of the server, left as it is.
+    async fn open(args: &Args, name: &str) -> anyhow::Result<Self> {
+        let admin = PgPoolOptions::new().max_connections(2).connect(&args.database_url).await?;
+        let base = args.database_url.rsplit_once('/').map(|(b, _)| b).unwrap_or(&args.database_url);
+        let url = format!("{base}/{name}");
+        let pool = PgPoolOptions::new().max_connections(20).connect(&url).await?;
+        Ok(Self { admin, name: name.to_string(), url, pool })
+    }
+
     async fn drop(self) -> anyhow::Result<()> {
         self.pool.close().await;
         sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name)))
@@ -230,11 +254,22 @@ impl Proc {
 }
 
 fn spawn(bin_dir: &Path, name: &str, args: &[&str], env: &[(&str, String)]) -> anyhow::Result<Proc> {
+    spawn_niced(bin_dir, name, args, env, 0)
+}
+
+/// [`spawn`], at CPU priority `nice` (through `nice -n`, when above 0).
+fn spawn_niced(bin_dir: &Path, name: &str, args: &[&str], env: &[(&str, String)], nice: u8) -> anyhow::Result<Proc> {
     let path = bin_dir.join(name);
     if !path.exists() {
         bail!("{} is missing: build with `cargo build --release --workspace --bins`", path.display());
     }
-    let mut cmd = Command::new(&path);
+    let mut cmd = if nice > 0 {
+        let mut cmd = Command::new("nice");
+        cmd.arg("-n").arg(nice.to_string()).arg(&path);
+        cmd
+    } else {
+        Command::new(&path)
+    };
     cmd.args(args).env("RUST_LOG", "warn").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
     for (k, v) in env {
         cmd.env(k, v);
@@ -558,6 +593,9 @@ async fn main() -> anyhow::Result<()> {
     // The machine's speed drifts over minutes (a shared host), so the ceiling is measured
     // again next to each repetition of the drains, and each ratio is taken within its
     // repetition: a drain is only ever compared with the ceiling measured beside it.
+    if args.history_db.is_some() && args.only != ["history"] {
+        bail!("--history-db measures the history part alone: give --only history");
+    }
     if args.peer_only() && args.graphile_dir.is_none() {
         bail!("--only peer runs graphile-worker: give --graphile-dir (scripts/bench installs it in bench/peer)");
     }
@@ -830,14 +868,17 @@ async fn main() -> anyhow::Result<()> {
         "postgres": sqlx::query_scalar::<_, String>("SHOW server_version").fetch_one(&server).await?,
         "autovacuum": autovacuum,
         "reps": r,
+        "worker_nice": args.worker_nice,
     });
     // One of the parts that keep a result file of their own.
     let own_file = match args.only.as_slice() {
         [part] if part == "history" || part == "fresh" || part == "peer" => Some(part.as_str()),
         _ => None,
     };
-    let partial =
-        (!args.only.is_empty() && own_file.is_none()) || args.modes.len() < Mode::ALL.len() || args.workers != [1, 2];
+    let partial = (!args.only.is_empty() && own_file.is_none())
+        || args.modes.len() < Mode::ALL.len()
+        || args.workers != [1, 2]
+        || args.history_db.is_some();
     if partial {
         let mut table = String::new();
         for (k, v) in &results {

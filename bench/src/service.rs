@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
 
-use crate::{Args, Db, MEASURED_POLL, Proc, db_clock, free_port, peak_rss_mib, percentile, spawn, wait_until};
+use crate::{
+    Args, Db, MEASURED_POLL, Proc, db_clock, free_port, peak_rss_mib, percentile, spawn, spawn_niced, wait_until,
+};
 
 /// Sends one worker process of the pipeline runs at once.
 const PIPELINE_CONCURRENCY: usize = 128;
@@ -89,8 +91,9 @@ impl Stack {
         ];
         let api = spawn(&args.bin_dir, "airlock-api", &[], &env)?;
         let admin = spawn(&args.bin_dir, "airlock-admin", &["serve"], &env)?;
-        let workers: Vec<Proc> =
-            (0..2).map(|_| spawn(&args.bin_dir, "airlock-worker", &[], &env)).collect::<anyhow::Result<_>>()?;
+        let workers: Vec<Proc> = (0..2)
+            .map(|_| spawn_niced(&args.bin_dir, "airlock-worker", &[], &env, args.worker_nice))
+            .collect::<anyhow::Result<_>>()?;
         // A worker that cannot start (one without bubblewrap refuses to) fails the run here,
         // rather than leaving it to wait for receipts that never come.
         wait_until(&db.pool, "SELECT count(*) FROM workers WHERE stopped_at IS NULL", 2, Duration::from_secs(60))

@@ -101,6 +101,9 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
         "history: {} finished deliveries, {} in review, {} run steps, {} finished jobs",
         h.deliveries, h.in_review, h.run_steps, h.jobs
     );
+    if let Some(name) = &args.history_db {
+        return reads_only(args, reps, name).await;
+    }
     let mut hist = Db::create(args, "history").await?;
     let t = Instant::now();
     let took = history::load(&hist.pool, h, "history").await?;
@@ -249,7 +252,39 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
         .map(|r| format!("{} {} ({} pages)", r.name, r.seq_scans, r.pages))
         .collect();
     report.push_str(&format!("Of which the event log's partitions, as they end: {}\n", parts.join(", ")));
-    hist.drop().await?;
+    if args.keep_history {
+        eprintln!("  the history's database is kept: {}", hist.name);
+    } else {
+        hist.drop().await?;
+    }
+    Ok(report)
+}
+
+/// `--history-db`: the reviewer's reads alone, under the saturating pipeline, on a history
+/// already loaded; each repetition's p50/p99 of each kind, ms. Each repetition adds its
+/// deliveries to the history.
+async fn reads_only(args: &Args, reps: usize, name: &str) -> anyhow::Result<String> {
+    let db = Db::open(args, name).await?;
+    let mut report = String::from("The reviewer's reads under the saturating pipeline, p50/p99 ms:\n");
+    for i in 0..reps {
+        let run = service::pipeline(args, &db, true).await?;
+        let r = run.reads.context("read beside the pipeline")?;
+        let q = |v: &[f64]| format!("{:.1}/{:.1}", percentile(v, 0.5), p99(v));
+        let line = format!(
+            "repetition {}: pipeline {:.0} deliveries/s; list {}, page 100 {}, get {}; /healthz {}, SELECT 1 {}",
+            i + 1,
+            run.rate,
+            q(&r.list_ms),
+            q(&r.page100_ms),
+            q(&r.get_ms),
+            q(&r.healthz_ms),
+            q(&r.select1_ms),
+        );
+        eprintln!("  {line}");
+        report.push_str(&line);
+        report.push('\n');
+    }
+    db.pool.close().await;
     Ok(report)
 }
 

@@ -578,6 +578,9 @@ fn free_port() -> anyhow::Result<u16> {
 async fn main() -> anyhow::Result<()> {
     airlock_core::telemetry::install_crypto_provider();
     let args = Args::parse();
+    if args.history_db.is_some() && args.only != ["history"] {
+        bail!("--history-db measures the history part alone: give --only history");
+    }
     let r = args.reps.max(1);
     let mut results = serde_json::Map::new();
     let mut rss_seen: f64 = 0.0;
@@ -593,9 +596,6 @@ async fn main() -> anyhow::Result<()> {
     // The machine's speed drifts over minutes (a shared host), so the ceiling is measured
     // again next to each repetition of the drains, and each ratio is taken within its
     // repetition: a drain is only ever compared with the ceiling measured beside it.
-    if args.history_db.is_some() && args.only != ["history"] {
-        bail!("--history-db measures the history part alone: give --only history");
-    }
     if args.peer_only() && args.graphile_dir.is_none() {
         bail!("--only peer runs graphile-worker: give --graphile-dir (scripts/bench installs it in bench/peer)");
     }

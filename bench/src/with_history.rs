@@ -97,13 +97,13 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
         run_steps: args.history_run_steps,
         jobs: args.history_jobs,
     };
+    if let Some(name) = &args.history_db {
+        return reads_only(args, reps, name).await;
+    }
     eprintln!(
         "history: {} finished deliveries, {} in review, {} run steps, {} finished jobs",
         h.deliveries, h.in_review, h.run_steps, h.jobs
     );
-    if let Some(name) = &args.history_db {
-        return reads_only(args, reps, name).await;
-    }
     let mut hist = Db::create(args, "history").await?;
     let t = Instant::now();
     let took = history::load(&hist.pool, h, "history").await?;

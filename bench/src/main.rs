@@ -174,20 +174,23 @@ impl Db {
             .execute(&admin)
             .await?;
         sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&admin).await?;
-        let base = args.database_url.rsplit_once('/').map(|(b, _)| b).unwrap_or(&args.database_url);
-        let url = format!("{base}/{name}");
-        let pool = PgPoolOptions::new().max_connections(20).connect(&url).await?;
-        airlock_core::db::migrate(&pool).await?;
-        Ok(Self { admin, name, url, pool })
+        let db = Self::connect(args, admin, name).await?;
+        airlock_core::db::migrate(&db.pool).await?;
+        Ok(db)
     }
 
     /// An existing database of the server, left as it is.
     async fn open(args: &Args, name: &str) -> anyhow::Result<Self> {
         let admin = PgPoolOptions::new().max_connections(2).connect(&args.database_url).await?;
+        Self::connect(args, admin, name.to_string()).await
+    }
+
+    /// Connects to database `name` of the server `admin` is connected to.
+    async fn connect(args: &Args, admin: PgPool, name: String) -> anyhow::Result<Self> {
         let base = args.database_url.rsplit_once('/').map(|(b, _)| b).unwrap_or(&args.database_url);
         let url = format!("{base}/{name}");
         let pool = PgPoolOptions::new().max_connections(20).connect(&url).await?;
-        Ok(Self { admin, name: name.to_string(), url, pool })
+        Ok(Self { admin, name, url, pool })
     }
 
     async fn drop(self) -> anyhow::Result<()> {

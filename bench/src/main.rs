@@ -584,6 +584,9 @@ async fn main() -> anyhow::Result<()> {
     if args.history_db.is_some() && args.only != ["history"] {
         bail!("--history-db measures the history part alone: give --only history");
     }
+    if args.peer_only() && args.graphile_dir.is_none() {
+        bail!("--only peer runs graphile-worker: give --graphile-dir (scripts/bench installs it in bench/peer)");
+    }
     let r = args.reps.max(1);
     let mut results = serde_json::Map::new();
     let mut rss_seen: f64 = 0.0;
@@ -599,9 +602,6 @@ async fn main() -> anyhow::Result<()> {
     // The machine's speed drifts over minutes (a shared host), so the ceiling is measured
     // again next to each repetition of the drains, and each ratio is taken within its
     // repetition: a drain is only ever compared with the ceiling measured beside it.
-    if args.peer_only() && args.graphile_dir.is_none() {
-        bail!("--only peer runs graphile-worker: give --graphile-dir (scripts/bench installs it in bench/peer)");
-    }
     let sets: Vec<(&str, i64)> =
         [("small", args.small), ("large", args.large)].into_iter().filter(|s| s.1 > 0).collect();
     let (mut c1s, mut c100s) = (Vec::new(), Vec::new());

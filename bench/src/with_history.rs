@@ -91,15 +91,15 @@ fn p99(v: &[f64]) -> f64 {
 
 /// Runs the part; returns the report of plans and scans printed beside the table.
 pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>) -> anyhow::Result<String> {
+    if let Some(name) = &args.history_db {
+        return reads_only(args, reps, name).await;
+    }
     let h = History {
         deliveries: args.history_deliveries,
         in_review: args.history_in_review,
         run_steps: args.history_run_steps,
         jobs: args.history_jobs,
     };
-    if let Some(name) = &args.history_db {
-        return reads_only(args, reps, name).await;
-    }
     eprintln!(
         "history: {} finished deliveries, {} in review, {} run steps, {} finished jobs",
         h.deliveries, h.in_review, h.run_steps, h.jobs

@@ -70,6 +70,11 @@ struct Args {
     /// is written, and the database is left as it is.
     #[arg(long)]
     history_db: Option<String>,
+    /// With `--history-db`: also measure the reads beside the pipeline's work submitted at
+    /// each of these rates (deliveries per second, for `--steady-seconds` each), before the
+    /// saturating one, in every repetition: the load at which they leave their target.
+    #[arg(long, value_delimiter = ',')]
+    read_rates: Vec<u64>,
     /// Keep the history part's database when it ends (its name is printed), for
     /// `--history-db`.
     #[arg(long)]
@@ -583,6 +588,12 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if args.history_db.is_some() && args.only != ["history"] {
         bail!("--history-db measures the history part alone: give --only history");
+    }
+    if !args.read_rates.is_empty() && args.history_db.is_none() {
+        bail!("--read-rates measures the reads on a kept history: give --history-db");
+    }
+    if args.read_rates.contains(&0) {
+        bail!("--read-rates: every rate is at least 1 delivery a second");
     }
     if args.peer_only() && args.graphile_dir.is_none() {
         bail!("--only peer runs graphile-worker: give --graphile-dir (scripts/bench installs it in bench/peer)");

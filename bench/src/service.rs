@@ -9,6 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use airlock_delivery::state::DeliveryState;
+use airlock_delivery::store::deliveries::list_statement;
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
 
@@ -219,6 +221,31 @@ async fn submit_all(stack: &Arc<Stack>, runs: &[String], prefix: &str, n: usize)
     Ok(all)
 }
 
+/// Submits `n` deliveries at `rate` a second, spread over `runs`, step ids `{prefix}{i}`,
+/// each POST started on its tick whether or not the ones before were answered; each
+/// delivery's id and its POST's time, ms, in the order they were answered.
+async fn submit_paced(
+    stack: &Arc<Stack>,
+    runs: &[String],
+    prefix: &str,
+    rate: u64,
+    n: usize,
+) -> anyhow::Result<Vec<(String, f64)>> {
+    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate.max(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut posts = tokio::task::JoinSet::new();
+    for i in 0..n {
+        tick.tick().await;
+        let (stack, run, step) = (stack.clone(), runs[i % runs.len()].clone(), format!("{prefix}{i}"));
+        posts.spawn(async move { stack.submit(&run, &step).await });
+    }
+    let mut answered = Vec::with_capacity(n);
+    while let Some(r) = posts.join_next().await {
+        answered.push(r??);
+    }
+    Ok(answered)
+}
+
 /// The reviewer's reads, timed: the review queue's first page, its page 100 through the
 /// cursor, and one delivery of the history.
 #[derive(Default)]
@@ -230,6 +257,9 @@ pub struct Reads {
     /// one round trip of `SELECT 1` from the bench to the database, each timed as the reads.
     pub healthz_ms: Vec<f64>,
     pub select1_ms: Vec<f64>,
+    /// The first page's statement as the admin prepares it, sent over the same connection
+    /// as the `SELECT 1`: the page's database part, with no HTTP and no token lookup.
+    pub statement_ms: Vec<f64>,
 }
 
 impl Reads {
@@ -309,10 +339,16 @@ impl Reader {
             sqlx::query("SELECT 1").execute(&mut conn).await?;
             reads.select1_ms.push(t.elapsed().as_secs_f64() * 1000.0);
             tokio::time::sleep(Duration::from_millis(20)).await;
+            let t = Instant::now();
+            list_statement(&[DeliveryState::InReview], None, 51).build().execute(&mut conn).await?;
+            reads.statement_ms.push(t.elapsed().as_secs_f64() * 1000.0);
+            tokio::time::sleep(Duration::from_millis(20)).await;
             i += 1;
         }
         for v in
             [&mut reads.list_ms, &mut reads.page100_ms, &mut reads.get_ms, &mut reads.healthz_ms, &mut reads.select1_ms]
+                .into_iter()
+                .chain([&mut reads.statement_ms])
         {
             v.sort_by(f64::total_cmp);
         }
@@ -358,6 +394,13 @@ pub struct PipelineRun {
 /// to a local SMTP sink; the journey's p50/p99, and the workers' peak RSS. With `reads`,
 /// a reviewer reads the review queue and the history's deliveries all along.
 pub async fn pipeline(args: &Args, db: &Db, reads: bool) -> anyhow::Result<PipelineRun> {
+    pipeline_at(args, db, reads, None).await
+}
+
+/// The pipeline's work submitted at `pace`'s (deliveries per second, seconds) instead of
+/// all at once, the rest as `pipeline`: the reviewer's reads at a given load below the
+/// saturating one.
+pub async fn pipeline_at(args: &Args, db: &Db, reads: bool, pace: Option<(u64, u64)>) -> anyhow::Result<PipelineRun> {
     let stack = Arc::new(Stack::start(args, db, 0).await?);
     stack.grant().await?;
     let runs = stack.runs().await?;
@@ -372,9 +415,16 @@ pub async fn pipeline(args: &Args, db: &Db, reads: bool) -> anyhow::Result<Pipel
     }
     let done = Arc::new(AtomicBool::new(false));
     let reader = if reads { Some(Reads::start(&stack, db, &done).await?) } else { None };
-    let n = args.deliveries;
+    let n = pace.map_or(args.deliveries, |(rate, seconds)| (rate * seconds) as usize);
     let start = db_clock(&db.pool).await?;
-    let submit_ms = submit_all(&stack, &runs, "s", n).await?;
+    let submit_ms = match pace {
+        None => submit_all(&stack, &runs, "s", n).await?,
+        Some((rate, _)) => {
+            let mut ms: Vec<f64> = submit_paced(&stack, &runs, "s", rate, n).await?.into_iter().map(|a| a.1).collect();
+            ms.sort_by(f64::total_cmp);
+            ms
+        }
+    };
     // From the first POST to the last receipt, on the database's clock.
     wait_sent(db, &stack.agent_id, warmup + n).await?;
     done.store(true, Ordering::Relaxed);
@@ -504,18 +554,9 @@ pub async fn steady(
     let reviewer = tokio::spawn(approve_all(stack.clone(), n, done.clone()));
     let io_before = Io::read(&db.pool).await?;
     let touched_before = Touched::read(&db.pool).await?;
-    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let mut posts = tokio::task::JoinSet::new();
-    let prefix = uuid::Uuid::new_v4().simple().to_string();
-    for i in 0..n {
-        tick.tick().await;
-        let (stack, run, step) = (stack.clone(), runs[i % runs.len()].clone(), format!("steady-{prefix}-{i}"));
-        posts.spawn(async move { stack.submit(&run, &step).await });
-    }
+    let prefix = format!("steady-{}-", uuid::Uuid::new_v4().simple());
     let (mut ids, mut submit_ms) = (Vec::new(), Vec::new());
-    while let Some(r) = posts.join_next().await {
-        let (id, ms) = r??;
+    for (id, ms) in submit_paced(&stack, &runs, &prefix, rate, n).await? {
         ids.push(uuid::Uuid::parse_str(&id)?);
         submit_ms.push(ms);
     }

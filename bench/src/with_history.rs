@@ -166,11 +166,14 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
             history_first,
         );
         eprintln!(
-            "    floors: admin /healthz p99 {:.1} ms, SELECT 1 p99 {:.1} ms under the pipeline; {:.1}, {:.1} ms beside the steady rate",
+            "    floors: admin /healthz p99 {:.1} ms, SELECT 1 p99 {:.1} ms, the list's statement p99 {:.1} ms under the \
+             pipeline; {:.1}, {:.1}, {:.1} ms beside the steady rate",
             p99(&reads.healthz_ms),
             p99(&reads.select1_ms),
+            p99(&reads.statement_ms),
             p99(&at50.healthz_ms),
             p99(&at50.select1_ms),
+            p99(&at50.statement_ms),
         );
         let mut add = |k: &str, v: f64| figures.entry(k.to_string()).or_default().push(v);
         add("pipeline_history_deliveries_per_sec", f.pipeline.rate);
@@ -193,6 +196,7 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
                 ("admin_get", &r.get_ms),
                 ("admin_healthz", &r.healthz_ms),
                 ("select1", &r.select1_ms),
+                ("admin_list_statement", &r.statement_ms),
             ];
             for (kind, ms) in kinds {
                 pooled.entry(format!("{kind}{suffix}")).or_default().extend(ms.iter().copied());
@@ -260,29 +264,41 @@ pub async fn measure(args: &Args, reps: usize, results: &mut Map<String, Value>)
     Ok(report)
 }
 
-/// `--history-db`: the reviewer's reads alone, under the saturating pipeline, on a history
-/// already loaded; each repetition's p50/p99 of each kind, ms. Each repetition adds its
-/// deliveries to the history.
+/// `--history-db`: the reviewer's reads alone, on a history already loaded, beside the
+/// pipeline's work at each of `--read-rates` and then under the saturating pipeline; each
+/// repetition's p50/p99 of each kind, ms. Each run adds its deliveries to the history.
 async fn reads_only(args: &Args, reps: usize, name: &str) -> anyhow::Result<String> {
     let db = Db::open(args, name).await?;
-    let mut report = String::from("The reviewer's reads under the saturating pipeline, p50/p99 ms:\n");
+    let mut report = String::from("The reviewer's reads beside the pipeline, p50/p99 ms:\n");
+    let paces = args.read_rates.iter().map(|&r| Some((r, args.steady_seconds))).chain([None]);
     for i in 0..reps {
-        let run = service::pipeline(args, &db, true).await?;
-        let r = run.reads.context("read beside the pipeline")?;
-        let q = |v: &[f64]| format!("{:.1}/{:.1}", percentile(v, 0.5), p99(v));
-        let line = format!(
-            "repetition {}: pipeline {:.0} deliveries/s; list {}, page 100 {}, get {}; /healthz {}, SELECT 1 {}",
-            i + 1,
-            run.rate,
-            q(&r.list_ms),
-            q(&r.page100_ms),
-            q(&r.get_ms),
-            q(&r.healthz_ms),
-            q(&r.select1_ms),
-        );
-        eprintln!("  {line}");
-        report.push_str(&line);
-        report.push('\n');
+        for pace in paces.clone() {
+            let run = service::pipeline_at(args, &db, true, pace).await?;
+            let r = run.reads.context("read beside the pipeline")?;
+            let q = |v: &[f64]| format!("{:.1}/{:.1}", percentile(v, 0.5), p99(v));
+            let load = match pace {
+                Some((rate, _)) => format!("submitted at {rate}/s"),
+                None => "saturating".to_string(),
+            };
+            let line = format!(
+                "repetition {}, {load}: pipeline {:.0} deliveries/s, journey p50/p99 {:.0}/{:.0} ms; \
+                 list {}, page 100 {}, get {} ({} each); /healthz {}, SELECT 1 {}, the list's statement {}",
+                i + 1,
+                run.rate,
+                run.p50,
+                run.p99,
+                q(&r.list_ms),
+                q(&r.page100_ms),
+                q(&r.get_ms),
+                r.list_ms.len(),
+                q(&r.healthz_ms),
+                q(&r.select1_ms),
+                q(&r.statement_ms),
+            );
+            eprintln!("  {line}");
+            report.push_str(&line);
+            report.push('\n');
+        }
     }
     db.pool.close().await;
     Ok(report)

@@ -345,11 +345,14 @@ impl Reader {
             tokio::time::sleep(Duration::from_millis(20)).await;
             i += 1;
         }
-        for v in
-            [&mut reads.list_ms, &mut reads.page100_ms, &mut reads.get_ms, &mut reads.healthz_ms, &mut reads.select1_ms]
-                .into_iter()
-                .chain([&mut reads.statement_ms])
-        {
+        for v in [
+            &mut reads.list_ms,
+            &mut reads.page100_ms,
+            &mut reads.get_ms,
+            &mut reads.healthz_ms,
+            &mut reads.select1_ms,
+            &mut reads.statement_ms,
+        ] {
             v.sort_by(f64::total_cmp);
         }
         Ok(reads)

@@ -735,6 +735,9 @@ async fn claim_buffers(pool: &PgPool, from: Option<queue::ClaimFrom>) -> i64 {
         "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim('w', NULL, '{{}}', 10, 30, {from}, '{{0,1,2,3}}')"
     );
     let plan: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&mut *tx).await.unwrap();
+    // A prepared statement outlives the rollback, and the pool may hand this connection
+    // to the next call.
+    sqlx::query("DEALLOCATE claim").execute(&mut *tx).await.unwrap();
     tx.rollback().await.unwrap();
     /// The blocks read by the scans of every live partition's claim index under `node`.
     fn scans(node: &serde_json::Value) -> Option<i64> {
